@@ -1,0 +1,1 @@
+"""Engine core: pure-Python bookkeeping over integer block ids (no torch)."""
