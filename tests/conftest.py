@@ -58,3 +58,46 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
             pad_token_id=eos_token_id if eos_token_id is not None else 0,
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded():
+    """Our loader's SmolLM2 (weights dequantized to fp32 + tokenizer), shared by engine tests."""
+    from kvfleet.model.loader import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+def make_engine(loaded, **overrides):
+    """An :class:`LLMEngine` on an already loaded model; ``overrides`` are LLM-style kwargs."""
+    from kvfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvfleet.engine.llm_engine import LLMEngine
+
+    cache = {k: overrides.pop(k) for k in ("block_size", "num_kv_blocks") if k in overrides}
+    cache.setdefault("kv_cache_memory_bytes", 256 * 2**20)
+    sched_keys = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
+                  "enable_chunked_prefill")
+    sched = {k: overrides.pop(k) for k in sched_keys if k in overrides}
+    cfg = EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **overrides)
+    return LLMEngine(cfg, loaded=loaded)
+
+
+def run_to_completion(engine, max_steps: int = 100000):
+    """Step ``engine`` until idle; returns {request_id: {index: CompletionOutput}} of final choices."""
+    final: dict = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            for c in out.outputs:
+                final.setdefault(out.request_id, {})[c.index] = c
+    else:
+        raise AssertionError("engine did not finish")
+    return final
+
+
+def assert_pool_free(engine) -> None:
+    """Every KV block is back in the pool and no request is left in the scheduler."""
+    assert engine.kv_cache_manager.num_free_blocks == engine.num_blocks
+    assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
+    assert not engine.has_unfinished_requests()
