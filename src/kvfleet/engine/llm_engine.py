@@ -125,7 +125,9 @@ class LLMEngine:
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else self.tokenizer.eos_token_id
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)
-        self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype)
+        from kvfleet.model.sampler import Sampler
+
+        self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype, sampler=Sampler(seed=config.seed))
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, _Choice]] = {}
         self._stat_loggers: list[Callable[[StepStats], None]] = []
