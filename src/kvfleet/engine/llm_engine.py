@@ -127,7 +127,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)
         from kvfleet.model.sampler import Sampler
 
-        self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype, sampler=Sampler(seed=config.seed))
+        self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype,
+                                  sampler=Sampler(seed=config.seed))
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, _Choice]] = {}
         self._stat_loggers: list[Callable[[StepStats], None]] = []
