@@ -20,7 +20,7 @@ from kvfleet.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.stats import StepStats
-from kvfleet.errors import EngineDeadError, QueueFullError
+from kvfleet.errors import EngineDeadError, InvalidRequestError
 from kvfleet.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvfleet.engine")
@@ -141,17 +141,13 @@ class AsyncLLM:
         if not self.healthy:
             raise EngineDeadError("the engine loop has died; restart the server")
         group = self.engine.prepare_request(request_id, prompt, params)
-        bound = self.engine_config.scheduler.max_waiting_requests
         loop = asyncio.get_running_loop()
         with self._lock:
             if request_id in self._streams:
-                from kvfleet.errors import InvalidRequestError
-
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
-            if bound is not None and self._stats["num_waiting"] + self._pending_adds + params.n > bound:
-                raise QueueFullError(
-                    f"the waiting queue is full ({bound} requests, --max-waiting-requests); retry later"
-                )
+            # num_waiting is read racily from the engine thread: a near-exact check here, the exact
+            # one in LLMEngine.add_prepared (whose QueueFullError then ends the stream).
+            self.engine.check_queue_bound(params.n, num_pending=self._pending_adds)
             stream = RequestStream(request_id, self, loop)
             self._streams[request_id] = stream
             self._pending_adds += params.n

@@ -9,6 +9,7 @@ the engine appends tokens, checks stop conditions, and frees the blocks of finis
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from kvfleet.engine.detokenizer import IncrementalDetokenizer
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvfleet.engine.request import Request, RequestStatus
 from kvfleet.engine.stats import FinishedRequestStats, StepStats
-from kvfleet.errors import InvalidRequestError, RequestTooLongError
+from kvfleet.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from kvfleet.sampling_params import SamplingParams
 from kvfleet.utils import cdiv
 
@@ -124,7 +125,11 @@ class LLMEngine:
             self.max_model_len = min(model_len, pool_tokens)
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else self.tokenizer.eos_token_id
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
-        self.scheduler = Scheduler(sc, self.kv_cache_manager, self.max_model_len)
+        # The waiting-queue bound is applied per user request (all n choices together) here,
+        # not per choice in the scheduler, so a request with n > bound is not refused forever.
+        self.max_waiting_requests = sc.max_waiting_requests
+        self.scheduler = Scheduler(dataclasses.replace(sc, max_waiting_requests=None), self.kv_cache_manager,
+                                   self.max_model_len)
         from kvfleet.model.sampler import Sampler
 
         self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype,
@@ -268,6 +273,7 @@ class LLMEngine:
         """
         if group.request_id in self._groups:
             raise InvalidRequestError(f"request id {group.request_id!r} is already in use")
+        self.check_queue_bound(len(group.choices))
         added: list[Request] = []
         try:
             for c in group.choices:
@@ -280,6 +286,16 @@ class LLMEngine:
         self._groups[group.request_id] = group
         for c in group.choices:
             self._child_to_group[c.request.request_id] = (group, c)
+
+    def check_queue_bound(self, num_new: int, num_pending: int = 0) -> None:
+        """Raise :class:`QueueFullError` when ``num_new`` more waiting choices would exceed
+        ``--max-waiting-requests`` (an empty queue always takes one request, whatever its n)."""
+        bound = self.max_waiting_requests
+        waiting = self.scheduler.num_waiting + num_pending
+        if bound is not None and waiting > 0 and waiting + num_new > bound:
+            raise QueueFullError(
+                f"the waiting queue is full ({waiting} waiting, --max-waiting-requests {bound}); retry later"
+            )
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

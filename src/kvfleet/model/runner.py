@@ -12,7 +12,7 @@ from kvfleet.engine.core.scheduler_output import ScheduledRequest, SchedulerOutp
 from kvfleet.engine.outputs import SampleResult
 from kvfleet.engine.request import Request
 from kvfleet.model.config import ModelConfig
-from kvfleet.model.layers.attention import AttentionMetadata, PrefillSpan
+from kvfleet.model.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 from kvfleet.model.loader import LoadedModel
 
 SamplerFn = Callable[[torch.Tensor, list[Request]], list[SampleResult]]
@@ -87,7 +87,8 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         bs = self.block_size
         window = self.config.sliding_window
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        # Decodes sorted by context length, so that each decode group pads little.
+        decodes = sorted((s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.start_pos)
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -122,23 +123,9 @@ class ModelRunner:
                     mask &= kpos > qpos - window
             spans.append(PrefillSpan(q0, q0 + n, start, bt, mask))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=spans)
-        B = len(decodes)
-        if B:
-            ctx_lens = [s.start_pos + 1 for s in decodes]
-            max_ctx = max(ctx_lens)
-            nb = (max_ctx + bs - 1) // bs
-            meta.num_decodes = B
-            meta.decode_block_tables = torch.tensor(
-                [s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table))) for s in decodes], dtype=torch.long)
-            if window is None and all(c == max_ctx for c in ctx_lens):
-                meta.decode_ctx_len = max_ctx
-            else:
-                lens = torch.tensor(ctx_lens, dtype=torch.long)[:, None]
-                kpos = torch.arange(nb * bs)[None, :]
-                mask = kpos < lens
-                if window is not None:
-                    mask &= kpos > lens - 1 - window
-                meta.decode_mask = mask[:, None, None, :]
+        meta.num_decodes = len(decodes)
+        for g0, g1 in _decode_groups([s.start_pos + 1 for s in decodes]):
+            meta.decode_groups.append(self._decode_group(decodes[g0:g1], g0))
         sample = [s for s in decodes + prefills if s.needs_sample]
         return _Batch(
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -147,6 +134,26 @@ class ModelRunner:
             sample_rows=[rows[id(s)] for s in sample],
             sample_reqs=sample,
         )
+
+    def _decode_group(self, decodes: list[ScheduledRequest], row_start: int) -> DecodeGroup:
+        bs = self.block_size
+        window = self.config.sliding_window
+        ctx_lens = [s.start_pos + 1 for s in decodes]
+        max_ctx = max(ctx_lens)
+        nb = (max_ctx + bs - 1) // bs
+        tables = torch.tensor(
+            [s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table))) for s in decodes], dtype=torch.long)
+        group = DecodeGroup(row_start, row_start + len(decodes), tables)
+        if window is None and all(c == max_ctx for c in ctx_lens):
+            group.ctx_len = max_ctx
+        else:
+            lens = torch.tensor(ctx_lens, dtype=torch.long)[:, None]
+            kpos = torch.arange(nb * bs)[None, :]
+            mask = kpos < lens
+            if window is not None:
+                mask &= kpos > lens - 1 - window
+            group.mask = mask[:, None, None, :]
+        return group
 
     # ------------------------------------------------------------------ steps
     def _forward_logits(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[ScheduledRequest]]:
@@ -189,3 +196,19 @@ class ModelRunner:
         if logits is None:
             return {}
         return {s.request.request_id: logits[i] for i, s in enumerate(reqs)}
+
+
+def _decode_groups(ctx_lens: list[int], max_groups: int = 4, min_size: int = 4) -> list[tuple[int, int]]:
+    """Split ascending context lengths into at most ``max_groups`` contiguous ``[start, end)``
+    ranges, starting a new range when a length exceeds 1.5x the range's first one (and the
+    range has ``min_size`` members): fewer padded keys per SDPA call, few calls."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(ctx_lens)):
+        if (ctx_lens[i] > 1.5 * ctx_lens[start] and i - start >= min_size
+                and len(groups) < max_groups - 1):
+            groups.append((start, i))
+            start = i
+    if ctx_lens:
+        groups.append((start, len(ctx_lens)))
+    return groups

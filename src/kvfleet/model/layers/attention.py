@@ -39,26 +39,40 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode sequences (one query token each) attended together in one SDPA call.
+
+    Attributes:
+        row_start, row_end: their query rows ``[row_start, row_end)`` in the flat batch.
+        block_tables: int64 ``[B, max_blocks]`` padded block tables (padding points at block 0
+            and is masked).
+        mask: bool ``[B, 1, 1, max_blocks * block_size]`` (True = attend), or None on the fast
+            path (equal context lengths, no window), where keys are sliced to ``ctx_len``.
+        ctx_len: for the fast path, the common context length in tokens.
+    """
+
+    row_start: int
+    row_end: int
+    block_tables: torch.Tensor
+    mask: torch.Tensor | None = None
+    ctx_len: int = 0
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by every layer.
 
     Attributes:
         slot_mapping: int64 ``[T]``, cache slot of each new token.
         num_decodes: decode sequences; their query tokens are rows ``[0, num_decodes)``.
-        decode_block_tables: int64 ``[B, max_blocks]`` padded block tables of the decodes
-            (padding entries point at block 0 and are masked), or None when ``B == 0``.
-        decode_mask: bool ``[B, 1, 1, max_blocks * block_size]`` (True = attend), or None on
-            the single-sequence fast path (no padding, no window), where the context is sliced
-            to ``decode_ctx_len`` keys.
-        decode_ctx_len: for the fast path, the decode's context length in tokens.
+        decode_groups: the decodes split into groups of similar context length, so the padded
+            K/V gather of each group stays close to its real context (less copying on CPU).
         prefills: the prefill spans after the decodes.
     """
 
     slot_mapping: torch.Tensor
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
-    decode_ctx_len: int = 0
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -89,25 +103,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     KVH = k.shape[1]
     G = H // KVH
     out = torch.empty_like(q)
-    B = meta.num_decodes
-    if B:
+    for g in meta.decode_groups:
+        B = g.row_end - g.row_start
         # All G query heads of a kv head share the key set, so they act as G "query rows"
         # of one kv head: no K/V repeat is needed.
-        qd = q[:B].view(B, KVH, G, D)
+        qd = q[g.row_start:g.row_end].view(B, KVH, G, D)
         # index_select, not advanced indexing: ``cache[idx]`` is far slower on CPU.
-        bt = meta.decode_block_tables.reshape(-1)
+        bt = g.block_tables.reshape(-1)
         kd = k_cache.index_select(0, bt).view(B, -1, KVH, D)
         vd = v_cache.index_select(0, bt).view(B, -1, KVH, D)
-        if meta.decode_mask is None:
-            ctx = meta.decode_ctx_len
-            kd = kd[:, :ctx].transpose(1, 2)
-            vd = vd[:, :ctx].transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype))
-        else:
-            kd = kd.transpose(1, 2)
-            vd = vd.transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=meta.decode_mask)
-        out[:B] = od.reshape(B, H, D)
+        if g.mask is None:
+            kd = kd[:, :g.ctx_len]
+            vd = vd[:, :g.ctx_len]
+        kd = kd.transpose(1, 2).to(q.dtype)
+        vd = vd.transpose(1, 2).to(q.dtype)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)
+        out[g.row_start:g.row_end] = od.reshape(B, H, D)
     for p in meta.prefills:
         n = p.q_end - p.q_start
         qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
