@@ -172,7 +172,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvfleet.engine.async_engine import AsyncLLM
     from kvfleet.server.app import create_app
 
-    engine = AsyncLLM(config)
+    try:
+        engine = AsyncLLM(config)
+    except (FileNotFoundError, ValueError, OSError) as e:  # a bad model file or an impossible setting
+        parser.exit(2, f"kvfleet serve: error: {config.model}: {e}\n")
     engine.start()
     try:
         names = [engine.model_name]

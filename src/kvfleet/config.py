@@ -89,5 +89,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
+        if not -(2**63) <= self.seed <= 2**64 - 1:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from kvfleet.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
 
 
 @dataclass
@@ -58,6 +60,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}", "stop")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}",
+                                      "stop_token_ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -90,8 +97,10 @@ class SamplingParams:
             bad("top_k", f"top_k must be -1 (disabled) or an integer >= 0, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            bad("seed", f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not is_num(v) or not -2 <= v <= 2:
@@ -102,7 +111,11 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1
         ):
             bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             bad("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")

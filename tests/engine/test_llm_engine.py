@@ -146,5 +146,13 @@ def test_abort_and_admission_errors_free_blocks(smollm2_loaded):
         engine.add_request("empty", "", SamplingParams())
     with pytest.raises(InvalidRequestError):
         engine.add_request("oov", [10**9], SamplingParams())
+    with pytest.raises(RequestTooLongError, match="characters"):  # refused before tokenizing
+        engine.add_request("huge", "x" * 10_000_000, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="wizard"):
+        engine.apply_chat_template([{"role": "wizard", "content": "hi"}])
+    mutated = SamplingParams()
+    mutated.max_tokens = 0
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("mutated", "Hello", mutated)
     assert_pool_free(engine)
     assert RequestStatus.FINISHED_ABORTED.finish_reason == "abort"

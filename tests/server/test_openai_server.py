@@ -274,6 +274,12 @@ BAD_CHAT = [
     ({"stop": 5}, "stop"),
     ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"min_p": 2}, "min_p"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**64)}, "seed"),
+    ({"max_tokens": "4"}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"stream": "yes"}, "stream"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "wizard"),
 ]
 
 
@@ -297,6 +303,7 @@ BAD_COMPLETION = [
     ({"prompt": "word " * (MAX_MODEL_LEN + 50)}, "maximum context length"),
     ({"logprobs": 50}, "logprobs"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x" * 5_000_000}, "characters"),
 ]
 
 
@@ -312,6 +319,8 @@ def test_bad_completion_requests_are_400(client, override, needle):
     (b"{this is not json", "invalid JSON"),
     (b'{"model": "x"}', "messages: Field required"),
     (b"[1, 2]", "Input should be a valid dictionary"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "lone \\ud800 surrogate"}]}' % MODEL.encode(),
+     "tokenized"),
 ])
 def test_malformed_bodies_are_400(server, payload, needle):
     r = httpx.post(server + "/v1/chat/completions", content=payload,
@@ -431,3 +440,18 @@ def test_queue_full_is_503_with_retry_after(server):
         else:
             assert r.json()["usage"]["completion_tokens"] == 8
     assert _wait_idle(server) == (0, 0)
+
+
+def test_seeded_request_next_to_an_unseeded_one_both_succeed(client):
+    """A seeded request never disturbs the batch it shares (max seed, n=2: child seeds wrap)."""
+    import concurrent.futures as cf
+
+    def run(extra):
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                      extra_body={"ignore_eos": True, **extra})
+        return [c.finish_reason for c in r.choices]
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        a = ex.submit(run, {"seed": 2**64 - 1, "n": 2})
+        b = ex.submit(run, {})
+        assert a.result() == ["length", "length"] and b.result() == ["length"]

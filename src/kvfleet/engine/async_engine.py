@@ -140,7 +140,20 @@ class AsyncLLM:
         """
         if not self.healthy:
             raise EngineDeadError("the engine loop has died; restart the server")
-        group = self.engine.prepare_request(request_id, prompt, params)
+        return self._submit(self.engine.prepare_request(request_id, prompt, params), params)
+
+    async def add_request_async(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestStream:
+        """:meth:`add_request` with tokenization in a worker thread, so a long prompt never stalls
+        the event loop (the tokenizer releases the GIL). Same errors."""
+        if not self.healthy:
+            raise EngineDeadError("the engine loop has died; restart the server")
+        group = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params)
+        return self._submit(group, params)
+
+    def _submit(self, group: Any, params: SamplingParams) -> RequestStream:
+        request_id = group.request_id
         loop = asyncio.get_running_loop()
         with self._lock:
             if request_id in self._streams:

@@ -29,6 +29,8 @@ from kvfleet.utils import cdiv
 
 logger = logging.getLogger("kvfleet.engine")
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -138,6 +140,7 @@ class LLMEngine:
         self._child_to_group: dict[str, tuple[_Group, _Choice]] = {}
         self._stat_loggers: list[Callable[[StepStats], None]] = []
         self._abort_stats = StepStats()  # finished-request stats of aborts, flushed by the next step
+        self._max_token_chars: int | None = None
         logger.info(
             "model %s (%s, %s, sha256 %s): %d layers, vocab %d, max_model_len %d",
             self.model_name, self.loaded.path, self.loaded.format, self.loaded.sha256,
@@ -171,6 +174,9 @@ class LLMEngine:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise InvalidRequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
+            if m["role"] not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
             content = m.get("content")
             if isinstance(content, list):
                 parts = []
@@ -186,6 +192,7 @@ class LLMEngine:
             elif not isinstance(content, str):
                 raise InvalidRequestError(f"messages[{i}].content must be a string or a list of parts", "messages")
             norm.append({**m, "content": content})
+        self._check_text_length(sum(len(m["content"]) for m in norm), "messages")
         template = self.loaded.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise InvalidRequestError(f"model {self.model_name} has no chat template; use /v1/completions")
@@ -195,13 +202,33 @@ class LLMEngine:
             )
         except Exception as e:  # jinja2 errors, raise_exception() in templates
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from e
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (TypeError, ValueError, UnicodeError) as e:  # e.g. lone surrogates
+            raise InvalidRequestError(f"the messages cannot be tokenized: {e}", param="messages") from e
+
+    def _check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit ``max_model_len`` tokens whatever its
+        tokenization (no token decodes to more than ``max_token_chars`` characters): tokenizing
+        megabytes would take seconds for a certain rejection."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._max_token_chars = max(
+                (len(self.tokenizer.convert_tokens_to_string([t])) for t in vocab if t is not None), default=1)
+        if num_chars > self.max_model_len * max(self._max_token_chars, 1):
+            raise RequestTooLongError(
+                f"the {param} is {num_chars} characters, more than this model's maximum context length of "
+                f"{self.max_model_len} tokens can hold", param=param)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", param="prompt")
-            return prompt, list(self.tokenizer.encode(prompt))
+            self._check_text_length(len(prompt), "prompt")
+            try:
+                return prompt, list(self.tokenizer.encode(prompt))
+            except (TypeError, ValueError, UnicodeError) as e:  # e.g. lone surrogates
+                raise InvalidRequestError(f"the prompt cannot be tokenized: {e}", param="prompt") from e
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string or list of token ids", param="prompt")
         vocab = self.model_config.vocab_size
@@ -224,17 +251,25 @@ class LLMEngine:
         """
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: a SamplingParams may have been changed after it was built
         text, ids = self._tokenize(prompt)
         n_prompt = len(ids)
         if params.max_tokens is None:
             if n_prompt >= self.max_model_len:
                 raise RequestTooLongError(
                     f"the prompt is {n_prompt} tokens, but this model's maximum context length is "
-                    f"{self.max_model_len} tokens (no room to generate)", param="messages"
+                    f"{self.max_model_len} tokens (no room to generate)", param="prompt"
                 )
             max_tokens = self.max_model_len - n_prompt
         else:
             max_tokens = params.max_tokens
+            if n_prompt >= self.max_model_len:
+                raise RequestTooLongError(
+                    f"the prompt is {n_prompt} tokens, but this model's maximum context length is "
+                    f"{self.max_model_len} tokens", param="prompt"
+                )
             if n_prompt + max_tokens > self.max_model_len:
                 raise RequestTooLongError(
                     f"this model's maximum context length is {self.max_model_len} tokens, but the request "
@@ -255,7 +290,7 @@ class LLMEngine:
                 child_params = copy.copy(params)
                 child_params.n = 1
                 if params.seed is not None:
-                    child_params.seed = params.seed + i
+                    child_params.seed = (params.seed + i) % 2**64  # stays a valid torch seed
             child_id = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(child_id, ids, child_params, eos_token_id=self.eos_token_id,
                           max_tokens=max_tokens, arrival_time=now)

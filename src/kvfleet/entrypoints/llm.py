@@ -9,9 +9,12 @@ from typing import Any
 from kvfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import CompletionOutput, RequestOutput
+from kvfleet.errors import InvalidRequestError
 from kvfleet.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+_INT_ARGS = {"block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+             "max_waiting_requests", "seed", "num_threads"}
 
 
 class LLM:
@@ -31,6 +34,11 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs: Any) -> None:
+        if not isinstance(model, str):
+            raise TypeError(f"model must be a string (a path or a packaged model name), got {model!r}")
+        for k, v in kwargs.items():
+            if k in _INT_ARGS and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"{k} must be an integer, got {v!r}")
         cache_keys = {"block_size", "num_kv_blocks", "kv_cache_memory"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
                       "enable_chunked_prefill"}
@@ -77,9 +85,16 @@ class LLM:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(
+                f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}",
+                param="prompt")
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
+        if not isinstance(sampling_params, (SamplingParams, list, tuple)):
+            raise InvalidRequestError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}")
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(
             sampling_params)
         if len(params) != len(prompts):

@@ -126,7 +126,8 @@ class _APIKeyMiddleware:
         if scope["type"] == "http" and scope.get("path", "").startswith("/v1") and scope.get("method") != "OPTIONS":
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             scheme, _, token = headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), self.api_key):
+            given = token.strip().encode("latin-1")  # the header's raw bytes
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given, self.api_key.encode("utf-8")):
                 resp = error_response(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                       "invalid_request_error", None, "invalid_api_key")
                 await resp(scope, receive, send)
@@ -343,7 +344,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
     async def admit(request_id: str, prompt: str | list[int], params: Any) -> Any:
         if not engine.healthy:
             raise EngineDeadError("the engine loop is not running")
-        return engine.add_request(request_id, prompt, params)
+        return await engine.add_request_async(request_id, prompt, params)
 
     # ------------------------------------------------------------------ chat
 
@@ -352,7 +353,8 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         check_model(body.model)
         params = body.to_sampling_params()
         messages = body.normalized_messages()
-        prompt_ids = chat_prompt_ids(messages, body.add_generation_prompt is not False, body.chat_template_kwargs)
+        prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages, body.add_generation_prompt is not False,
+                                             body.chat_template_kwargs)
         request_id = random_id("chatcmpl")
         stream = await admit(request_id, prompt_ids, params)
         k = params.logprobs or 0
@@ -549,9 +551,12 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             msgs = ChatCompletionRequest(messages=body.messages).normalized_messages()
-            ids = chat_prompt_ids(msgs, body.add_generation_prompt)
+            ids = await asyncio.to_thread(chat_prompt_ids, msgs, body.add_generation_prompt)
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:  # off the event loop: the tokenizer releases the GIL
+                ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            except (TypeError, ValueError, UnicodeError) as e:
+                raise InvalidRequestError(f"the prompt cannot be tokenized: {e}", param="prompt") from e
         ids = [int(t) for t in ids]
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=engine.max_model_len)
 

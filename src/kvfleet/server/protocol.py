@@ -37,9 +37,10 @@ def now() -> int:
 
 
 class OpenAIBaseModel(BaseModel):
-    """Base of every request model: unknown fields are ignored (like OpenAI and vLLM)."""
+    """Base of every request model: unknown fields are ignored (like OpenAI and vLLM); known
+    fields are strictly typed (no ``"4"`` for 4, no ``true`` for 1, no ``"yes"`` for true)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # --------------------------------------------------------------------------- errors
