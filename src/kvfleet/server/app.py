@@ -346,6 +346,29 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             raise EngineDeadError("the engine loop is not running")
         return await engine.add_request_async(request_id, prompt, params)
 
+    async def collect(stream: Any, raw: Request, n: int, prefix: str) -> tuple[
+            dict[int, list[str]], dict[int, list[TokenLogprob]], dict[int, tuple[str | None, Any]], int, int]:
+        """Drain a non-streamed request: per choice its text pieces (starting with ``prefix``),
+        logprobs and (finish_reason, stop_reason); plus prompt and generated token counts."""
+        texts: dict[int, list[str]] = {i: [prefix] for i in range(n)}
+        lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(n)}
+        finish: dict[int, tuple[str | None, Any]] = {}
+        n_prompt = n_gen = 0
+        async with _RequestGuard(stream, raw) as guard:
+            async for out in stream:
+                guard.see(out)
+                n_prompt = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    texts[c.index].append(c.delta_text)
+                    n_gen += len(c.delta_token_ids)
+                    if c.delta_logprobs:
+                        lps[c.index].extend(c.delta_logprobs)
+                    if c.finish_reason is not None:
+                        finish[c.index] = (c.finish_reason, c.stop_reason)
+                if out.finished:
+                    break
+        return texts, lps, finish, n_prompt, n_gen
+
     # ------------------------------------------------------------------ chat
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -363,24 +386,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             guard = _RequestGuard(stream, raw)
             return _SSEResponse(chat_stream(body, request_id, stream, guard, params.n, want_lp, k), guard.abort)
 
-        texts: dict[int, list[str]] = {i: [] for i in range(params.n)}
-        lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(params.n)}
-        finish: dict[int, tuple[str | None, Any]] = {}
-        n_prompt = 0
-        n_gen = 0
-        async with _RequestGuard(stream, raw) as guard:
-            async for out in stream:
-                guard.see(out)
-                n_prompt = len(out.prompt_token_ids)
-                for c in out.outputs:
-                    texts[c.index].append(c.delta_text)
-                    n_gen += len(c.delta_token_ids)
-                    if c.delta_logprobs:
-                        lps[c.index].extend(c.delta_logprobs)
-                    if c.finish_reason is not None:
-                        finish[c.index] = (c.finish_reason, c.stop_reason)
-                if out.finished:
-                    break
+        texts, lps, finish, n_prompt, n_gen = await collect(stream, raw, params.n, "")
         choices = [
             ChatCompletionChoice(
                 index=i, message=ChatMessage(content="".join(texts[i])),
@@ -448,24 +454,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             return _SSEResponse(completion_stream(body, request_id, stream, guard, params.n, want_lp, k, echo),
                                 guard.abort)
 
-        texts: dict[int, list[str]] = {i: [echo] for i in range(params.n)}
-        lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(params.n)}
-        finish: dict[int, tuple[str | None, Any]] = {}
-        n_prompt = 0
-        n_gen = 0
-        async with _RequestGuard(stream, raw) as guard:
-            async for out in stream:
-                guard.see(out)
-                n_prompt = len(out.prompt_token_ids)
-                for c in out.outputs:
-                    texts[c.index].append(c.delta_text)
-                    n_gen += len(c.delta_token_ids)
-                    if c.delta_logprobs:
-                        lps[c.index].extend(c.delta_logprobs)
-                    if c.finish_reason is not None:
-                        finish[c.index] = (c.finish_reason, c.stop_reason)
-                if out.finished:
-                    break
+        texts, lps, finish, n_prompt, n_gen = await collect(stream, raw, params.n, echo)
         choices = [
             CompletionChoice(
                 index=i, text="".join(texts[i]),
