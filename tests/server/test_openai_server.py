@@ -451,7 +451,9 @@ def test_seeded_request_next_to_an_unseeded_one_both_succeed(client):
                                       extra_body={"ignore_eos": True, **extra})
         return [c.finish_reason for c in r.choices]
 
+    # this server runs 2 sequences at most and queues 2: one seeded and one unseeded request together
     with cf.ThreadPoolExecutor(2) as ex:
-        a = ex.submit(run, {"seed": 2**64 - 1, "n": 2})
+        a = ex.submit(run, {"seed": 2**64 - 1})
         b = ex.submit(run, {})
-        assert a.result() == ["length", "length"] and b.result() == ["length"]
+        assert a.result() == ["length"] and b.result() == ["length"]
+    assert run({"seed": 2**64 - 1, "n": 2}) == ["length", "length"]  # child seeds wrap around 2**64
