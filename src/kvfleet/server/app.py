@@ -399,41 +399,50 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                                                       total_tokens=n_prompt + n_gen))
         return JSONResponse(resp.model_dump())
 
-    async def chat_stream(body: ChatCompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,
-                          n: int, want_lp: bool, k: int) -> AsyncIterator[str]:
-        n_prompt = 0
-        n_gen = 0
-
-        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(ChatCompletionStreamResponse(id=request_id, model=model_name, choices=choices,
-                                                     usage=usage).model_dump_json())
-
+    async def sse_events(request_id: str, stream: Any, guard: _RequestGuard, include_usage: bool,
+                         chunk: Callable[..., str], opening: list[Any], make_choice: Callable[[Any], Any],
+                         want_lp: bool) -> AsyncIterator[str]:
+        """The SSE body of a streamed request: ``opening`` choices, then one chunk per changed
+        choice (built by ``make_choice``), the usage chunk when asked, and ``[DONE]``. An engine
+        error mid-stream becomes an error event."""
+        n_prompt = n_gen = 0
         try:
             async with guard:
-                for i in range(n):
-                    yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                                        content=""))])
+                for choice in opening:
+                    yield chunk([choice])
                 async for out in stream:
                     guard.see(out)
                     n_prompt = len(out.prompt_token_ids)
                     for c in out.outputs:
                         n_gen += len(c.delta_token_ids)
-                        has_lp = want_lp and bool(c.delta_logprobs)
-                        if not (c.delta_text or c.finish_reason or has_lp):
+                        if not (c.delta_text or c.finish_reason or (want_lp and c.delta_logprobs)):
                             continue
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=c.delta_text),
-                            logprobs=chat_logprobs(c.delta_logprobs or [], k) if want_lp else None,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                        yield chunk([make_choice(c)])
                     if out.finished:
                         break
-            if body.include_usage:
+            if include_usage:
                 yield chunk([], UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
                                           total_tokens=n_prompt + n_gen))
         except (KVFleetError, ValueError, RuntimeError) as e:
             logger.exception("stream %s failed", request_id)
             yield _sse(_error_payload(e))
         yield _sse("[DONE]")
+
+    def chat_stream(body: ChatCompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,
+                    n: int, want_lp: bool, k: int) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(ChatCompletionStreamResponse(id=request_id, model=model_name, choices=choices,
+                                                     usage=usage).model_dump_json())
+
+        def make_choice(c: Any) -> ChatCompletionStreamChoice:
+            return ChatCompletionStreamChoice(
+                index=c.index, delta=DeltaMessage(content=c.delta_text),
+                logprobs=chat_logprobs(c.delta_logprobs or [], k) if want_lp else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+        opening = [ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                   for i in range(n)]
+        return sse_events(request_id, stream, guard, bool(body.include_usage), chunk, opening, make_choice, want_lp)
 
     # ------------------------------------------------------------------ completions
 
@@ -467,43 +476,23 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                                                   total_tokens=n_prompt + n_gen))
         return JSONResponse(resp.model_dump())
 
-    async def completion_stream(body: CompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,
-                                n: int, want_lp: bool, k: int, echo: str) -> AsyncIterator[str]:
-        n_prompt = 0
-        n_gen = 0
+    def completion_stream(body: CompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,
+                          n: int, want_lp: bool, k: int, echo: str) -> AsyncIterator[str]:
         offsets = dict.fromkeys(range(n), len(echo))
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
             return _sse(CompletionStreamResponse(id=request_id, model=model_name, choices=choices,
                                                  usage=usage).model_dump_json())
 
-        try:
-            async with guard:
-                if echo:
-                    for i in range(n):
-                        yield chunk([CompletionChoice(index=i, text=echo)])
-                async for out in stream:
-                    guard.see(out)
-                    n_prompt = len(out.prompt_token_ids)
-                    for c in out.outputs:
-                        n_gen += len(c.delta_token_ids)
-                        has_lp = want_lp and bool(c.delta_logprobs)
-                        if not (c.delta_text or c.finish_reason or has_lp):
-                            continue
-                        lp = None
-                        if want_lp:
-                            lp, offsets[c.index] = completion_logprobs(c.delta_logprobs or [], k, offsets[c.index])
-                        yield chunk([CompletionChoice(index=c.index, text=c.delta_text, logprobs=lp,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
-                    if out.finished:
-                        break
-            if body.include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                          total_tokens=n_prompt + n_gen))
-        except (KVFleetError, ValueError, RuntimeError) as e:
-            logger.exception("stream %s failed", request_id)
-            yield _sse(_error_payload(e))
-        yield _sse("[DONE]")
+        def make_choice(c: Any) -> CompletionChoice:
+            lp = None
+            if want_lp:
+                lp, offsets[c.index] = completion_logprobs(c.delta_logprobs or [], k, offsets[c.index])
+            return CompletionChoice(index=c.index, text=c.delta_text, logprobs=lp,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+        opening = [CompletionChoice(index=i, text=echo) for i in range(n)] if echo else []
+        return sse_events(request_id, stream, guard, bool(body.include_usage), chunk, opening, make_choice, want_lp)
 
     # ------------------------------------------------------------------ models, health, metrics
 
