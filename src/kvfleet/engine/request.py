@@ -50,6 +50,19 @@ class Request:
         num_preemptions: how often this request was preempted.
         generator: per-request RNG owned by the sampler (a ``torch.Generator``) or None.
         stop_reason: the stop string or token id that ended it, if any.
+        cache_salt: isolates this request's prefix-cache entries (vLLM's ``cache_salt``): blocks
+            are only shared between requests with the same salt. None = the shared namespace.
+        lora_id: LoRA adapter id (part of the block hash; None = the base model).
+        block_hashes: chained hashes of this request's full blocks, in token order (filled by
+            the KV cache manager as blocks fill; ``block_hashes[k]`` covers tokens
+            ``[0, (k + 1) * block_size)``).
+        num_cached_tokens: prompt tokens found in the prefix cache when first scheduled
+            (``usage.prompt_tokens_details.cached_tokens``); -1 before it was scheduled.
+        fork_of: for choices 1..n-1 of an n > 1 or beam-search request, the choice they share
+            prompt blocks with (copy-on-write); None otherwise.
+        swapped_out: True while its KV lives in the host swap pool (swap preemption).
+        progress_at_swap_in: ``num_tokens`` when it was last swapped in (-1 = never): the
+            anti-thrashing guard only swaps out a request again once it has made progress.
     """
 
     def __init__(
@@ -76,6 +89,20 @@ class Request:
         self.num_preemptions = 0
         self.generator: Any = None
         self.stop_reason: str | int | None = None
+        self.cache_salt: str | None = None
+        self.lora_id: int | None = None
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1
+        self.fork_of: Request | None = None
+        self.swapped_out = False
+        self.progress_at_swap_in = -1
+
+    @property
+    def extra_keys(self) -> tuple | None:
+        """Extra keys mixed into every block hash: ``(lora_id, cache_salt)``, None when both are unset."""
+        if self.lora_id is None and self.cache_salt is None:
+            return None
+        return (self.lora_id, self.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

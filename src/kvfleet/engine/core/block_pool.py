@@ -1,9 +1,16 @@
-"""Fixed pool of KV cache block ids with reference counts and a free queue.
+"""Fixed pool of KV cache block ids with reference counts, a free queue and a block-hash index.
 
 The KV cache is split into fixed-size blocks of ``block_size`` token slots; a request's
 KV lives in a list of (not necessarily contiguous) blocks, its *block table*. This module
 only does the bookkeeping over integer block ids ``0 .. num_blocks - 1``; the model runner
 owns the tensors the ids index. Technique: PagedAttention / vLLM (Kwon et al., SOSP 2023).
+
+Prefix caching (vLLM's automatic prefix caching): a full block can be registered under its
+*block hash*; when its last owner frees it, it keeps its content and its hash while it waits
+in the free queue, so a later request with the same prefix revives it with :meth:`incref`
+instead of recomputing it. The free queue is therefore also the LRU list of cached blocks:
+a block is evicted from the hash index only when :meth:`allocate` hands it out for new
+content, oldest-freed first.
 
 Pure Python, no torch.
 """
@@ -42,6 +49,9 @@ class BlockPool:
         # Insertion-ordered set of free block ids: O(1) pop from the front, O(1) removal
         # of an arbitrary id (needed when a free cached block is revived by incref).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}
+        self.num_evictions: int = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -83,8 +93,72 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             self._ref_counts[block_id] = 1
+            h = self._block_hash[block_id]
+            if h is not None:  # evict its cached content: it is about to be overwritten
+                self._block_hash[block_id] = None
+                del self._cached[h]
+                self.num_evictions += 1
             out.append(block_id)
         return out
+
+    # ------------------------------------------------------------------ block hashes
+
+    def get_cached_block(self, block_hash: bytes) -> int | None:
+        """The block registered under ``block_hash`` (in use or free-but-cached), or None."""
+        return self._cached.get(block_hash)
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Register a full, computed block under its hash.
+
+        Returns:
+            True if registered; False when another block already holds this hash (two requests
+            computed the same prefix at once: the first stays the cached copy) or the block
+            already has a hash.
+
+        Raises:
+            ValueError: id out of range, or the block is free (only in-use content is cached).
+        """
+        self._check_id(block_id)
+        if self._ref_counts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free; only in-use blocks can be cached")
+        if self._block_hash[block_id] is not None or block_hash in self._cached:
+            return False
+        self._block_hash[block_id] = block_hash
+        self._cached[block_hash] = block_id
+        return True
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The hash a block is cached under, or None."""
+        self._check_id(block_id)
+        return self._block_hash[block_id]
+
+    def uncache_block(self, block_id: int) -> None:
+        """Drop a block from the hash index (its content is about to change in place)."""
+        self._check_id(block_id)
+        h = self._block_hash[block_id]
+        if h is not None:
+            self._block_hash[block_id] = None
+            del self._cached[h]
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks currently registered in the hash index (in use or free)."""
+        return len(self._cached)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the hashes of all *free* cached blocks (in-use ones stay cached).
+
+        Returns:
+            the number of hashes dropped.
+        """
+        dropped = 0
+        for b in list(self._free):
+            h = self._block_hash[b]
+            if h is not None:
+                self._block_hash[b] = None
+                del self._cached[h]
+                dropped += 1
+        return dropped
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a block listed twice gets two).

@@ -40,10 +40,19 @@ class SchedulerOutput:
         scheduled: requests to run, in batch order (running requests first, then new ones).
         preempted: requests preempted (by recompute) while building this plan.
         num_batched_tokens: sum of ``num_new_tokens``.
+        swap_out: ``(device_block, host_block)`` pairs to copy from the KV pool to the host swap
+            pool before this step's forward (swap preemption).
+        swap_in: ``(host_block, device_block)`` pairs to copy back from the host swap pool.
+        block_copies: ``(src_block, dst_block)`` pairs to copy inside the KV pool (copy-on-write,
+            partial-block prefix reuse). The runner applies ``swap_out``, then ``swap_in``, then
+            ``block_copies``, all before the forward.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
