@@ -16,6 +16,7 @@ from typing import Any
 
 from kvfleet.bench.datasets import DATASET_NAMES, DatasetError
 from kvfleet.bench.metrics import parse_goodput, parse_percentiles
+from kvfleet.cli import non_negative_int, positive_int
 
 DEFAULT_TOKENIZER = "smollm2-135m-instruct"
 
@@ -33,24 +34,8 @@ class _Fmt(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFo
 # --------------------------------------------------------------------------- argparse types
 
 
-def _pos_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
+_pos_int = positive_int
+_nonneg_int = non_negative_int
 
 
 def _rate(text: str) -> float:
