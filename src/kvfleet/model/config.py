@@ -1,11 +1,12 @@
-"""Architecture hyper-parameters of a decoder-only model (Llama / Mistral / Qwen2 family)."""
+"""Architecture hyper-parameters of a decoder-only model (Llama / Mistral / Qwen2 family, Gemma 3)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "gemma3")
+HIDDEN_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass
@@ -13,10 +14,10 @@ class ModelConfig:
     """What the model code needs to know about an architecture, independent of the file format.
 
     Attributes:
-        architecture: ``"llama"``, ``"mistral"`` or ``"qwen2"``.
+        architecture: ``"llama"``, ``"mistral"``, ``"qwen2"`` or ``"gemma3"``.
         vocab_size: rows of the embedding / columns of the logits.
         hidden_size: model width.
-        intermediate_size: SwiGLU MLP width.
+        intermediate_size: gated MLP width.
         num_hidden_layers: decoder layers.
         num_attention_heads: query heads.
         num_key_value_heads: K/V heads (grouped-query attention when fewer than query heads,
@@ -36,6 +37,17 @@ class ModelConfig:
             with ``i - window < j <= i`` (the edge transformers uses); None = full causal.
         bos_token_id, eos_token_id: special token ids (None when unknown).
         o_proj_bias: bias on the attention output projection (Llama with ``attention_bias``).
+        layer_sliding_windows: per-layer attention windows in tokens (None entry = full causal
+            attention on that layer), ``num_hidden_layers`` long; None = every layer uses
+            :attr:`sliding_window`. Gemma 3 interleaves five local layers (window 512 for the
+            270M model) with one global layer (Gemma Team 2025, "Gemma 3 Technical Report").
+        rope_local_theta: rotary base of the windowed (local) layers when it differs from
+            :attr:`rope_theta` (Gemma 3: 10,000 local, 1,000,000 global); None = :attr:`rope_theta`.
+        query_pre_attn_scalar: attention scores are scaled by ``query_pre_attn_scalar ** -0.5``
+            (Gemma); None = ``head_dim`` (the usual ``1/sqrt(head_dim)``).
+        hidden_activation: gate activation of the gated MLP: ``"silu"`` (SwiGLU, Llama) or
+            ``"gelu_tanh"`` (GeGLU with the tanh approximation, Gemma).
+        final_logit_softcapping: logits become ``cap * tanh(logits / cap)`` (Gemma 2); None = off.
     """
 
     architecture: str
@@ -56,6 +68,11 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     o_proj_bias: bool = False
+    layer_sliding_windows: list[int | None] | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    hidden_activation: str = "silu"
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -69,16 +86,52 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.layer_sliding_windows is not None:
+            if len(self.layer_sliding_windows) != self.num_hidden_layers:
+                raise ValueError(
+                    f"layer_sliding_windows has {len(self.layer_sliding_windows)} entries for "
+                    f"{self.num_hidden_layers} layers"
+                )
+            if any(w is not None and w < 1 for w in self.layer_sliding_windows):
+                raise ValueError(
+                    f"layer_sliding_windows entries must be >= 1 or None, got {self.layer_sliding_windows}"
+                )
+        if self.hidden_activation not in HIDDEN_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_activation {self.hidden_activation!r}; supported: {', '.join(HIDDEN_ACTIVATIONS)}"
+            )
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ValueError(f"query_pre_attn_scalar must be > 0, got {self.query_pre_attn_scalar}")
+
+    def layer_windows(self) -> list[int | None]:
+        """The attention window of every layer, in tokens (None = full causal attention):
+        :attr:`layer_sliding_windows` when set, else :attr:`sliding_window` repeated."""
+        if self.layer_sliding_windows is not None:
+            return list(self.layer_sliding_windows)
+        return [self.sliding_window] * self.num_hidden_layers
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """Rotary base of layer ``layer``: :attr:`rope_local_theta` on a windowed layer when it is
+        set, else :attr:`rope_theta`."""
+        if self.rope_local_theta is not None and self.layer_windows()[layer] is not None:
+            return self.rope_local_theta
+        return self.rope_theta
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dict (transformers 4.x or 5.x keys).
 
         Raises:
-            ValueError: ``model_type`` is not llama / mistral / qwen2, or the config asks for
-                something this implementation does not do (Qwen2 per-layer sliding windows).
+            ValueError: ``model_type`` is not llama / mistral / qwen2 / gemma3_text, or the config
+                asks for something this implementation does not do (Qwen2 per-layer sliding
+                windows, Gemma attention-logit soft-capping, rope scaling on Gemma).
         """
         arch = str(cfg.get("model_type", "")).lower()
+        if arch == "gemma3" and isinstance(cfg.get("text_config"), dict):
+            cfg = {**cfg["text_config"], "model_type": "gemma3_text"}  # multimodal wrapper: the text model
+            arch = "gemma3_text"
+        if arch == "gemma3_text":
+            return cls._from_hf_gemma3(cfg)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported model_type {cfg.get('model_type')!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -130,4 +183,60 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos,
             o_proj_bias=arch != "qwen2" and bool(cfg.get("attention_bias", False)),
+        )
+
+    @classmethod
+    def _from_hf_gemma3(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Gemma 3 text config (transformers ``Gemma3TextConfig``, 4.x or 5.x keys); defaults as
+        transformers has them (window pattern 6, local rope base 10,000, global 1,000,000)."""
+        if cfg.get("attn_logit_softcapping") is not None:
+            raise ValueError("Gemma attention-logit soft-capping is not supported")
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 with use_bidirectional_attention=True is not supported")
+        n_layers = int(cfg.get("num_hidden_layers", 26))
+        window = cfg.get("sliding_window", 4096)
+        layer_types = cfg.get("layer_types")
+        if layer_types is None:
+            pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        windows = [int(window) if window and t == "sliding_attention" else None for t in layer_types]
+        rope = cfg.get("rope_parameters") or {}
+        full = rope.get("full_attention") or {}
+        local = rope.get("sliding_attention") or {}
+        for params in (full, local, cfg.get("rope_scaling") or {}):
+            if params.get("rope_type", params.get("type", "default")) not in (None, "default"):
+                raise ValueError(f"unsupported rope scaling on Gemma 3: {params}")
+        theta = float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0)))
+        local_theta = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0)))
+        heads = int(cfg.get("num_attention_heads", 8))
+        eos = cfg.get("eos_token_id", 1)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        act = str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"unsupported Gemma 3 activation {act!r}")
+        return cls(
+            architecture="gemma3",
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim", 256)),
+            rope_theta=theta,
+            rope_scaling=None,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            sliding_window=int(window) if window and any(windows) else None,
+            bos_token_id=cfg.get("bos_token_id", 2),
+            eos_token_id=eos,
+            o_proj_bias=bool(cfg.get("attention_bias", False)),
+            layer_sliding_windows=windows,
+            rope_local_theta=local_theta,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            hidden_activation="gelu_tanh",
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )

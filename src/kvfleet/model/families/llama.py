@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(self.norm(hidden), w).float()
 
     # ------------------------------------------------------------------ weights
-    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+    _NORMS = ("input_layernorm", "post_attention_layernorm")
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy weights given with Hugging Face names (``model.layers.0.self_attn.q_proj.weight``, ...).
@@ -137,48 +137,62 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: a required weight is missing or has the wrong shape.
         """
-        cfg = self.config
-        per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.num_hidden_layers)]
-        top: dict[str, torch.Tensor] = {}
-        for name, t in weights.items():
-            m = self._LAYER_RE.match(name)
-            if m:
-                i = int(m.group(1))
-                if i < cfg.num_hidden_layers:
-                    per_layer[i][m.group(2)] = t
-            else:
-                top[name] = t
+        load_decoder_weights(self, weights, self._NORMS)
 
-        def need(d: dict[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
-            if key not in d:
-                raise ValueError(f"missing weight {where}{key}")
-            return d[key]
 
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
-            param.data.copy_(value.to(param.dtype))
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-        with torch.no_grad():
-            put(self.embed_tokens, need(top, "model.embed_tokens.weight", ""), "model.embed_tokens.weight")
-            put(self.norm.weight, need(top, "model.norm.weight", ""), "model.norm.weight")
-            if self.lm_head is not None:
-                put(self.lm_head, need(top, "lm_head.weight", ""), "lm_head.weight")
-            for i, (layer, w) in enumerate(zip(self.layers, per_layer, strict=True)):
-                pre = f"model.layers.{i}."
-                a = layer.self_attn
-                qkv = torch.cat([need(w, f"self_attn.{p}_proj.weight", pre) for p in "qkv"])
-                put(a.qkv_proj.weight, qkv, pre + "self_attn.qkv_proj.weight")
-                if a.qkv_proj.bias is not None:
-                    b = torch.cat([need(w, f"self_attn.{p}_proj.bias", pre) for p in "qkv"])
-                    put(a.qkv_proj.bias, b, pre + "self_attn.qkv_proj.bias")
-                put(a.o_proj.weight, need(w, "self_attn.o_proj.weight", pre), pre + "self_attn.o_proj.weight")
-                if a.o_proj.bias is not None:
-                    put(a.o_proj.bias, need(w, "self_attn.o_proj.bias", pre), pre + "self_attn.o_proj.bias")
-                gu = torch.cat([need(w, "mlp.gate_proj.weight", pre), need(w, "mlp.up_proj.weight", pre)])
-                put(layer.mlp.gate_up_proj.weight, gu, pre + "mlp.gate_up_proj.weight")
-                put(layer.mlp.down_proj.weight, need(w, "mlp.down_proj.weight", pre), pre + "mlp.down_proj.weight")
-                put(layer.input_layernorm.weight, need(w, "input_layernorm.weight", pre),
-                    pre + "input_layernorm.weight")
-                put(layer.post_attention_layernorm.weight, need(w, "post_attention_layernorm.weight", pre),
-                    pre + "post_attention_layernorm.weight")
+
+def load_decoder_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], norms: tuple[str, ...]) -> None:
+    """Copy Hugging Face-named weights into a decoder with our fused layout: ``embed_tokens``,
+    ``norm``, optional ``lm_head``, and ``layers[i]`` with ``self_attn.qkv_proj`` (q/k/v rows
+    concatenated, optional bias), ``self_attn.o_proj``, ``mlp.gate_up_proj`` (gate then up),
+    ``mlp.down_proj`` and the RMSNorms named in ``norms`` (submodule paths of a layer).
+    Shared by the Llama-family and Gemma-3 models.
+
+    Raises:
+        ValueError: a required weight is missing or has the wrong shape.
+    """
+    n_layers = len(model.layers)
+    per_layer: list[dict[str, torch.Tensor]] = [{} for _ in range(n_layers)]
+    top: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        m = _LAYER_RE.match(name)
+        if m:
+            i = int(m.group(1))
+            if i < n_layers:
+                per_layer[i][m.group(2)] = t
+        else:
+            top[name] = t
+
+    def need(d: dict[str, torch.Tensor], key: str, where: str) -> torch.Tensor:
+        if key not in d:
+            raise ValueError(f"missing weight {where}{key}")
+        return d[key]
+
+    def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(value.shape):
+            raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+        param.data.copy_(value.to(param.dtype))
+
+    with torch.no_grad():
+        put(model.embed_tokens, need(top, "model.embed_tokens.weight", ""), "model.embed_tokens.weight")
+        put(model.norm.weight, need(top, "model.norm.weight", ""), "model.norm.weight")
+        if model.lm_head is not None:
+            put(model.lm_head, need(top, "lm_head.weight", ""), "lm_head.weight")
+        for i, (layer, w) in enumerate(zip(model.layers, per_layer, strict=True)):
+            pre = f"model.layers.{i}."
+            a = layer.self_attn
+            qkv = torch.cat([need(w, f"self_attn.{p}_proj.weight", pre) for p in "qkv"])
+            put(a.qkv_proj.weight, qkv, pre + "self_attn.qkv_proj.weight")
+            if a.qkv_proj.bias is not None:
+                b = torch.cat([need(w, f"self_attn.{p}_proj.bias", pre) for p in "qkv"])
+                put(a.qkv_proj.bias, b, pre + "self_attn.qkv_proj.bias")
+            put(a.o_proj.weight, need(w, "self_attn.o_proj.weight", pre), pre + "self_attn.o_proj.weight")
+            if a.o_proj.bias is not None:
+                put(a.o_proj.bias, need(w, "self_attn.o_proj.bias", pre), pre + "self_attn.o_proj.bias")
+            gu = torch.cat([need(w, "mlp.gate_proj.weight", pre), need(w, "mlp.up_proj.weight", pre)])
+            put(layer.mlp.gate_up_proj.weight, gu, pre + "mlp.gate_up_proj.weight")
+            put(layer.mlp.down_proj.weight, need(w, "mlp.down_proj.weight", pre), pre + "mlp.down_proj.weight")
+            for norm in norms:
+                put(layer.get_submodule(norm).weight, need(w, f"{norm}.weight", pre), f"{pre}{norm}.weight")

@@ -34,3 +34,31 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dimension.
+
+    The weight is stored zero-centred (Hugging Face convention: a freshly initialised norm is the
+    identity), and the product is taken in float32 before casting back, as Gemma's reference
+    implementation does (unlike Llama, which casts before multiplying).
+
+    Args:
+        hidden_size: size of the last dimension.
+        eps: added to the mean square.
+        dtype: parameter dtype.
+
+    Shapes:
+        x: ``[..., hidden_size]`` any float dtype -> same shape and dtype.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.hidden_size = hidden_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)

@@ -22,7 +22,8 @@ class LoadedModel:
     """A model ready for the runner.
 
     Attributes:
-        model: our :class:`~kvfleet.model.families.llama.LlamaForCausalLM`, in eval mode.
+        model: our :class:`~kvfleet.model.families.llama.LlamaForCausalLM` (llama / mistral /
+            qwen2) or :class:`~kvfleet.model.families.gemma3.Gemma3ForCausalLM`, in eval mode.
         config: its architecture.
         tokenizer: a transformers tokenizer (None only with ``load_tokenizer=False``).
         chat_template: Jinja chat template (GGUF metadata ``tokenizer.chat_template`` or the
@@ -50,13 +51,40 @@ def _is_gguf(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
+# Architectures whose GGUF tokenizer takes long to build (Gemma 3: 262,144 tokens, ~20 s): cached
+# under the kvfleet cache folder, keyed by the file's sha256 and the transformers version.
+_CACHED_TOKENIZER_ARCHS = ("gemma3",)
+
+
+def model_class(config: ModelConfig) -> type[torch.nn.Module]:
+    """The model family implementing ``config.architecture``: ``Gemma3ForCausalLM`` for gemma3,
+    ``LlamaForCausalLM`` for llama / mistral / qwen2."""
+    if config.architecture == "gemma3":
+        from kvfleet.model.families.gemma3 import Gemma3ForCausalLM
+
+        return Gemma3ForCausalLM
+    from kvfleet.model.families.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+def _tokenizer_cache(config: ModelConfig, sha: str) -> Path | None:
+    if config.architecture not in _CACHED_TOKENIZER_ARCHS:
+        return None
+    import transformers
+
+    from kvfleet.model.registry import cache_dir
+
+    return cache_dir() / "tokenizers" / f"{sha}-transformers-{transformers.__version__}"
+
+
 def load_model(model: str | Path, dtype: torch.dtype = torch.float32, *,
                load_tokenizer: bool = True) -> LoadedModel:
     """Load weights, config and tokenizer.
 
     Args:
         model: a GGUF file, a Hugging Face folder (``config.json`` + ``*.safetensors`` + tokenizer
-            files) or a packaged short name (``smollm2-135m-instruct``, see
+            files) or a packaged short name (``smollm2-135m-instruct``, ``gemma-3-270m``, see
             :func:`kvfleet.model.registry.resolve_model_path`).
         dtype: parameter / compute dtype (GGUF tensors are dequantized to float32 first).
         load_tokenizer: set False to skip building the tokenizer (seconds for GGUF); tests use it.
@@ -67,7 +95,6 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, *,
         ValueError: unsupported architecture, a folder without ``*.safetensors``, a file that is
             not GGUF, or weights that do not match the config.
     """
-    from kvfleet.model.families.llama import LlamaForCausalLM
     from kvfleet.model.registry import resolve_model_path, sha256_file
 
     path = resolve_model_path(str(model)) if not Path(model).exists() else Path(model)
@@ -93,10 +120,11 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, *,
         fmt, name = "gguf", path.stem
         sha = sha256_file(path)
         if load_tokenizer:
-            tokenizer = load_gguf_tokenizer(path)
+            tokenizer = load_gguf_tokenizer(path, cache_dir=_tokenizer_cache(cfg, sha),
+                                            architecture=cfg.architecture)
             if chat_template is None:
                 chat_template = getattr(tokenizer, "chat_template", None)
-    net = LlamaForCausalLM(cfg, dtype=dtype)
+    net = model_class(cfg)(cfg, dtype=dtype)
     net.load_hf_weights(weights)
     del weights
     net.eval()
@@ -106,4 +134,4 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, *,
                        sha256=sha, format=fmt, name=name)
 
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model", "model_class"]
