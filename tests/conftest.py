@@ -73,10 +73,12 @@ def make_engine(loaded, **overrides):
     from kvfleet.config import CacheConfig, EngineConfig, SchedulerConfig
     from kvfleet.engine.llm_engine import LLMEngine
 
-    cache = {k: overrides.pop(k) for k in ("block_size", "num_kv_blocks") if k in overrides}
+    cache_keys = ("block_size", "num_kv_blocks", "enable_prefix_caching", "prefix_cache", "swap_space_bytes",
+                  "kv_cache_dtype")
+    cache = {k: overrides.pop(k) for k in cache_keys if k in overrides}
     cache.setdefault("kv_cache_memory_bytes", 256 * 2**20)
     sched_keys = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
-                  "enable_chunked_prefill")
+                  "enable_chunked_prefill", "preemption_mode", "scheduling_policy", "lpm_max_queue")
     sched = {k: overrides.pop(k) for k in sched_keys if k in overrides}
     cfg = EngineConfig(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **overrides)
     return LLMEngine(cfg, loaded=loaded)

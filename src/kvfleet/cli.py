@@ -33,26 +33,30 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # --------------------------------------------------------------------------- argparse types
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
+def _bounded(convert: Callable[[str], float], what: str, low: float | None = None, high: float | None = None
+             ) -> Callable[[str], float]:
+    """An argparse type converting with ``convert`` and checking ``low <= v <= high`` (finite)."""
+
+    def parse(text: str) -> float:
+        try:
+            v = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if v != v or v in (float("inf"), float("-inf")) or (low is not None and v < low) or (
+                high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return v
+
+    parse.__doc__ = f"argparse type: {what}."
+    return parse
 
 
-def port_number(text: str) -> int:
-    """argparse type: a TCP port in [0, 65535] (0 = any free port)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= v <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in [0, 65535], got {v}")
-    return v
+#: argparse types (each raises ``ArgumentTypeError`` with a one-line message).
+positive_int = _bounded(int, "an integer >= 1", 1)
+non_negative_int = _bounded(int, "an integer >= 0", 0)
+non_negative_float = _bounded(float, "a finite number >= 0", 0)
+port_number = _bounded(int, "a port number in [0, 65535] (0 = any free port)", 0, 65535)
+any_int = _bounded(int, "an integer")
 
 
 def memory_size(text: str) -> int:
@@ -64,14 +68,6 @@ def memory_size(text: str) -> int:
     if v <= 0:
         raise argparse.ArgumentTypeError(f"memory size must be > 0, got {text!r}")
     return v
-
-
-def any_int(text: str) -> int:
-    """argparse type: any integer."""
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 # --------------------------------------------------------------------------- serve
@@ -115,8 +111,38 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     cache.add_argument("--num-kv-blocks", type=positive_int, default=None,
                        help="KV pool size in blocks; overrides --kv-cache-memory "
                             "(default: sized from --kv-cache-memory)")
+    cache.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                       help="KV cache storage dtype: auto = --dtype; fp8_e4m3 / fp8_e5m2 store K and V in "
+                            "1 byte (per-tensor scale, dequantized for attention), so --kv-cache-memory "
+                            "holds 4x the tokens of float32; e4m3 is the more accurate (default: auto)")
+
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV of cached prompt prefixes (full blocks, by chained block hash or "
+                            "radix tree); --no-enable-prefix-caching turns it off")
+    cache.add_argument("--prefix-cache", choices=("hash", "radix"), default="hash",
+                       help="prefix index: hash = chained block hashes with an LRU of freed cached blocks "
+                            "(vLLM); radix = token-granular radix tree with LRU leaf eviction (SGLang's "
+                            "RadixAttention); a partial-block match is reused by copying that block")
+    cache.add_argument("--kv-eviction", choices=("none", "streaming"), default="none",
+                       help="streaming = StreamingLLM (Xiao et al. 2024): keep the first --sink-tokens tokens "
+                            "(attention sinks) and the last --streaming-window tokens, freeing the blocks in "
+                            "between, so generation can run past --max-model-len in bounded memory")
+    cache.add_argument("--sink-tokens", type=non_negative_int, default=4,
+                       help="attention-sink tokens kept by --kv-eviction streaming")
+    cache.add_argument("--streaming-window", type=positive_int, default=1024,
+                       help="recent tokens attended by --kv-eviction streaming")
+    cache.add_argument("--swap-space", type=non_negative_float, default=0.0, metavar="GIB",
+                       help="host memory for the swap pool of --preemption-mode swap, in GiB (0 = none)")
 
     sched = p.add_argument_group("scheduler")
+    sched.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                       help="when the KV pool runs out: recompute = drop the newest request's KV and "
+                            "recompute it later; swap = move it to the host swap pool (--swap-space) and "
+                            "back, falling back to recompute when the swap pool is full or the request made "
+                            "no progress since its last swap-in")
+    sched.add_argument("--scheduling-policy", choices=("fcfs", "lpm"), default="fcfs",
+                       help="order of waiting requests: fcfs = first come first served; lpm = longest "
+                            "prefix match first (SGLang), falling back to fcfs above 128 waiting requests")
     sched.add_argument("--max-num-seqs", type=positive_int, default=64,
                        help="most requests running in one engine step")
     sched.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
@@ -142,13 +168,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         num_threads=args.num_threads,
         cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                          kv_cache_memory_bytes=args.kv_cache_memory),
+                          kv_cache_memory_bytes=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+                          enable_prefix_caching=args.enable_prefix_caching, prefix_cache=args.prefix_cache,
+                          swap_space_bytes=int(args.swap_space * 2**30), kv_eviction=args.kv_eviction,
+                          sink_tokens=args.sink_tokens, streaming_window=args.streaming_window),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             max_waiting_requests=args.max_waiting_requests,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            preemption_mode=args.preemption_mode,
+            scheduling_policy=args.scheduling_policy,
         ),
     )
 
@@ -192,8 +223,16 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- entry point
 
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``kvfleet bench`` (serve / throughput / compare / plot; see :mod:`kvfleet.bench.cli`)."""
+    from kvfleet.bench.cli import add_bench_parser as add
+
+    return add(sub)
+
+
 #: subcommand registrars: each adds its parser (with ``func`` set) to the subparsers.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_serve_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_serve_parser,
+                                                                                        add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -33,6 +33,16 @@ class SamplingParams:
         logprobs: None = no logprobs; k >= 0 = the sampled token's logprob plus the top k.
         skip_special_tokens: drop special tokens from the detokenized text.
         spaces_between_special_tokens: kept for vLLM compatibility.
+        use_beam_search: beam search instead of sampling (vLLM's pre-v1 API; needs
+            ``temperature == 0``): ``best_of`` beams (default ``n``, at most 10) are kept, the
+            ``n`` best finished hypotheses are returned. Beams share KV blocks copy-on-write.
+        best_of: beam width with ``use_beam_search`` (>= n). Without beam search only
+            ``best_of == n`` (or None) is accepted.
+        length_penalty: beam score = cumulative logprob / generated_length ** length_penalty.
+        early_stopping: beam search stop rule (transformers' semantics): True = stop once
+            ``best_of`` hypotheses are finished; False = stop when no running beam can beat the
+            worst finished one at its current length; ``"never"`` = assume it can grow to
+            ``max_tokens``.
 
     Raises:
         InvalidRequestError: a field is out of range (``param`` names it).
@@ -56,6 +66,10 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False
+    best_of: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +137,27 @@ class SamplingParams:
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "stop_token_ids must be non-negative integers")
+        if not isinstance(self.use_beam_search, bool):
+            bad("use_beam_search", f"use_beam_search must be a boolean, got {self.use_beam_search!r}")
+        if self.best_of is not None and (
+            not isinstance(self.best_of, int) or isinstance(self.best_of, bool) or self.best_of < self.n
+        ):
+            bad("best_of", f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if not is_num(self.length_penalty):
+            bad("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never") or (
+                isinstance(self.early_stopping, int) and not isinstance(self.early_stopping, bool)):
+            bad("early_stopping", f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        if self.use_beam_search:
+            width = self.best_of or self.n
+            if width > MAX_LOGPROBS // 2:
+                bad("best_of", f"beam search supports at most {MAX_LOGPROBS // 2} beams, got {width}")
+            if self.temperature != 0:
+                bad("temperature", "beam search needs temperature 0")
+            if self.stop:
+                bad("stop", "stop strings are not supported with beam search; use stop_token_ids")
+        elif self.best_of is not None and self.best_of != self.n:
+            bad("best_of", "best_of > n is only supported with use_beam_search")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
             or not 0 <= self.logprobs <= MAX_LOGPROBS

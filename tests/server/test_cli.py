@@ -50,6 +50,13 @@ def test_all_flags_reach_the_config():
     (["--dtype", "int3"], "--dtype"),
     (["--log-level", "loud"], "--log-level"),
     (["/no/such/model.gguf"], "neither an existing GGUF file"),
+    (["--swap-space", "-1"], "--swap-space"),
+    (["--preemption-mode", "swap"], "--swap-space"),
+    (["--prefix-cache", "trie"], "--prefix-cache"),
+    (["--scheduling-policy", "random"], "--scheduling-policy"),
+    (["--sink-tokens", "-1"], "--sink-tokens"),
+    (["--streaming-window", "0"], "--streaming-window"),
+    (["--kv-cache-dtype", "int4"], "--kv-cache-dtype"),
 ])
 def test_invalid_values_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
@@ -72,3 +79,20 @@ def test_help_documents_flags():
     assert "default: 2GiB" in out.stdout and "default: 16" in out.stdout
     top = subprocess.run([sys.executable, "-m", "kvfleet", "--help"], capture_output=True, text=True, timeout=60)
     assert top.returncode == 0 and "serve" in top.stdout
+
+
+def test_kv_cache_flags_map_to_config():
+    from kvfleet.cli import build_parser, engine_config_from_args
+
+    args = build_parser().parse_args([
+        "serve", "--no-enable-prefix-caching", "--prefix-cache", "radix", "--preemption-mode", "swap",
+        "--swap-space", "0.5", "--scheduling-policy", "lpm", "--kv-eviction", "streaming", "--sink-tokens", "8",
+        "--streaming-window", "256", "--kv-cache-dtype", "fp8_e5m2"])
+    cfg = engine_config_from_args(args)
+    c, s = cfg.cache, cfg.scheduler
+    assert (c.enable_prefix_caching, c.prefix_cache, c.swap_space_bytes) == (False, "radix", 2**29)
+    assert (c.kv_eviction, c.sink_tokens, c.streaming_window, c.kv_cache_dtype) == ("streaming", 8, 256, "fp8_e5m2")
+    assert (s.preemption_mode, s.scheduling_policy) == ("swap", "lpm")
+    defaults = engine_config_from_args(build_parser().parse_args(["serve"]))
+    assert defaults.cache.enable_prefix_caching and defaults.cache.prefix_cache == "hash"
+    assert defaults.scheduler.preemption_mode == "recompute" and defaults.cache.kv_eviction == "none"

@@ -400,7 +400,9 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
                 if n == 3:
                     break
         # mid-generation: the request holds KV blocks right now
-        assert _metric(server, "vllm:kv_cache_usage_perc") > 0
+        m = _metrics(server)
+        lab = (("model_name", MODEL),)
+        assert m[("vllm:kv_cache_usage_perc", lab)] > 0, {k: v for k, v in m.items() if k[0].startswith("vllm:num")}
     # connection closed without reading the rest
     assert _wait_idle(server) == (0, 0)
     deadline = time.monotonic() + 10
@@ -457,3 +459,50 @@ def test_seeded_request_next_to_an_unseeded_one_both_succeed(client):
         b = ex.submit(run, {})
         assert a.result() == ["length"] and b.result() == ["length"]
     assert run({"seed": 2**64 - 1, "n": 2}) == ["length", "length"]  # child seeds wrap around 2**64
+
+
+# ------------------------------------------------------------------------------------ KV cache features
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    prompt = "A long shared instruction for caching tests. " * 6 + "Answer:"
+    q0 = _metric(server, "vllm:prefix_cache_queries_total")
+    h0 = _metric(server, "vllm:prefix_cache_hits_total")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert (n - 1) // 16 * 16 == cached > 0  # every full block but the one holding the last token
+    assert second.choices[0].text == first.choices[0].text
+    assert _metric(server, "vllm:prefix_cache_queries_total") - q0 == 2 * n
+    assert _metric(server, "vllm:prefix_cache_hits_total") - h0 == cached
+    salted = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                       extra_body={"cache_salt": "tenant-a"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another namespace
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=2, temperature=0)
+    chat2 = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens_details is not None
+    assert chat2.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_beam_search_over_http(server, client):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=0,
+                                     extra_body={"use_beam_search": True, "best_of": 2})
+    assert len(resp.choices) == 2 and all(c.text for c in resp.choices)
+    assert resp.choices[0].text != resp.choices[1].text
+    assert 2 <= resp.usage.completion_tokens <= 12
+    assert all(c.finish_reason in ("stop", "length") for c in resp.choices)
+    for body, param in (({"stream": True}, "stream"), ({"temperature": 1.0}, "temperature"),
+                        ({"best_of": 1}, "best_of"), ({"best_of": 40}, "best_of"),
+                        ({"best_of": 3}, "best_of")):  # 3 beams > --max-num-seqs 2: they could never run together
+        r = httpx.post(server + "/v1/completions", headers=_auth(), timeout=30,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 2, "temperature": 0,
+                             "use_beam_search": True, "best_of": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param
+    r = httpx.post(server + "/v1/completions", headers=_auth(), timeout=30,
+                   json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"

@@ -130,7 +130,8 @@ class AsyncLLM:
         """See :meth:`LLMEngine.apply_chat_template`."""
         return self.engine.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> RequestStream:
         """Validate and submit a request; must be called from a running event loop.
 
         Raises:
@@ -140,16 +141,16 @@ class AsyncLLM:
         """
         if not self.healthy:
             raise EngineDeadError("the engine loop has died; restart the server")
-        return self._submit(self.engine.prepare_request(request_id, prompt, params), params)
+        return self._submit(self.engine.prepare_request(request_id, prompt, params, cache_salt=cache_salt), params)
 
     async def add_request_async(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> RequestStream:
         """:meth:`add_request` with tokenization in a worker thread, so a long prompt never stalls
         the event loop (the tokenizer releases the GIL). Same errors."""
         if not self.healthy:
             raise EngineDeadError("the engine loop has died; restart the server")
-        group = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params)
+        group = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params, None, cache_salt)
         return self._submit(group, params)
 
     def _submit(self, group: Any, params: SamplingParams) -> RequestStream:
@@ -160,10 +161,10 @@ class AsyncLLM:
                 raise InvalidRequestError(f"request id {request_id!r} is already in use")
             # num_waiting is read racily from the engine thread: a near-exact check here, the exact
             # one in LLMEngine.add_prepared (whose QueueFullError then ends the stream).
-            self.engine.check_queue_bound(params.n, num_pending=self._pending_adds)
+            self.engine.check_queue_bound(len(group.choices), num_pending=self._pending_adds)
             stream = RequestStream(request_id, self, loop)
             self._streams[request_id] = stream
-            self._pending_adds += params.n
+            self._pending_adds += len(group.choices)
         self._inbox.put(("add", group))
         self._wake.set()
         return stream

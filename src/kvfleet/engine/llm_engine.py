@@ -25,7 +25,6 @@ from kvfleet.engine.request import Request, RequestStatus
 from kvfleet.engine.stats import FinishedRequestStats, StepStats
 from kvfleet.errors import InvalidRequestError, QueueFullError, RequestTooLongError
 from kvfleet.sampling_params import SamplingParams
-from kvfleet.utils import cdiv
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -56,14 +55,34 @@ class _Choice:
 
 
 @dataclass
+class _BeamState:
+    """Beam-search state of a request group: one child :class:`Request` per beam slot."""
+
+    width: int
+    max_tokens: int
+    scores: list[float] = field(default_factory=list)  # running beams' cumulative logprobs
+    token_logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    # finished hypotheses, best first: (normalized score, cumulative logprob, tokens, logprobs, reason, last token)
+    finished: list[tuple[float, float, list[int], list[TokenLogprob], str, int]] = field(default_factory=list)
+    pending: dict[int, Any] = field(default_factory=dict)  # slot -> SampleResult of this step
+    improvable: bool = True
+    started: bool = False
+
+    def __post_init__(self) -> None:
+        self.scores = [0.0] * self.width
+        self.token_logprobs = [[] for _ in range(self.width)]
+
+
+@dataclass
 class _Group:
-    """A user request: its prompt and its n choices."""
+    """A user request: its prompt and its n choices (or its beams)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: list[_Choice] = field(default_factory=list)
+    beam: _BeamState | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,7 +125,7 @@ class LLMEngine:
         )
         cc = config.cache
         self.block_size = cc.block_size
-        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(mc, cc.block_size, dtype)
+        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(mc, cc.block_size, dtype, cc.kv_cache_dtype)
         num_blocks = cc.num_kv_blocks or cc.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -126,16 +145,36 @@ class LLMEngine:
         else:
             self.max_model_len = min(model_len, pool_tokens)
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else self.tokenizer.eos_token_id
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size)
+        windows = getattr(mc, "layer_sliding_windows", None)
+        if windows:  # per-layer windows (Gemma-3): blocks can only be freed if every layer has one
+            window = windows[0] if all(w is not None and w == windows[0] for w in windows) else None
+        else:
+            window = mc.sliding_window
+        self.streaming = cc.kv_eviction == "streaming"
+        sinks = 0
+        if self.streaming:
+            if window is not None or windows:
+                raise ValueError("--kv-eviction streaming is not supported for models with a sliding window")
+            window, sinks = cc.streaming_window, cc.sink_tokens
+        self.num_host_blocks = cc.swap_space_bytes // bytes_per_block if cc.swap_space_bytes else 0
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size,
+                                               enable_prefix_caching=cc.enable_prefix_caching,
+                                               sliding_window=window, num_host_blocks=self.num_host_blocks,
+                                               prefix_cache=cc.prefix_cache, sink_tokens=sinks)
         # The waiting-queue bound is applied per user request (all n choices together) here,
         # not per choice in the scheduler, so a request with n > bound is not refused forever.
         self.max_waiting_requests = sc.max_waiting_requests
+        # With StreamingLLM eviction a sequence may grow past max_model_len (memory stays bounded).
         self.scheduler = Scheduler(dataclasses.replace(sc, max_waiting_requests=None), self.kv_cache_manager,
-                                   self.max_model_len)
+                                   2**62 if self.streaming else self.max_model_len)
         from kvfleet.model.sampler import Sampler
 
         self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype,
-                                  sampler=Sampler(seed=config.seed))
+                                  sampler=Sampler(seed=config.seed), kv_cache_dtype=cc.kv_cache_dtype,
+                                  **({"streaming": (cc.sink_tokens, cc.streaming_window)} if self.streaming else {}))
+        if self.num_host_blocks:
+            self.runner.allocate_swap_space(self.num_host_blocks)
+        self._kv_counters = (0, 0, 0)  # prefix-cache queries, hits, cow copies at the last step
         self._groups: dict[str, _Group] = {}
         self._child_to_group: dict[str, tuple[_Group, _Choice]] = {}
         self._stat_loggers: list[Callable[[StepStats], None]] = []
@@ -147,9 +186,10 @@ class LLMEngine:
             mc.num_hidden_layers, mc.vocab_size, self.max_model_len,
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %s (%s per block, dtype %s)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %s (%s per block, kv dtype %s)",
             num_blocks, cc.block_size, pool_tokens, _human_bytes(num_blocks * bytes_per_block),
-            _human_bytes(bytes_per_block), config.dtype,
+            _human_bytes(bytes_per_block),
+            config.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype,
         )
 
     # ------------------------------------------------------------------ requests
@@ -238,11 +278,18 @@ class LLMEngine:
         return None, list(prompt)
 
     def prepare_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> _Group:
         """Tokenize and validate a request and build its n choices, without queueing it.
 
         Safe to call from another thread than :meth:`step` (touches no scheduler state).
+        Choices 1..n-1 (and the beams of a beam search) share choice 0's prompt blocks by ref
+        count (copy-on-write) instead of computing the prompt again.
+
+        Args:
+            cache_salt: prefix-cache namespace (vLLM's ``cache_salt``): only requests with the
+                same salt share cached blocks.
 
         Raises:
             InvalidRequestError: empty prompt, token id outside the vocabulary, duplicate id.
@@ -256,7 +303,13 @@ class LLMEngine:
         params.validate()  # again: a SamplingParams may have been changed after it was built
         text, ids = self._tokenize(prompt)
         n_prompt = len(ids)
-        if params.max_tokens is None:
+        if self.streaming:  # StreamingLLM: no length limit beyond the pool's bounded footprint
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n_prompt
+            if max_tokens < 1:
+                raise RequestTooLongError(
+                    f"the prompt is {n_prompt} tokens; with --kv-eviction streaming set max_tokens explicitly "
+                    f"to generate past max_model_len ({self.max_model_len})", param="max_tokens")
+        elif params.max_tokens is None:
             if n_prompt >= self.max_model_len:
                 raise RequestTooLongError(
                     f"the prompt is {n_prompt} tokens, but this model's maximum context length is "
@@ -276,24 +329,50 @@ class LLMEngine:
                     f"asks for {n_prompt + max_tokens} ({n_prompt} in the prompt, {max_tokens} max_tokens)",
                     param="max_tokens",
                 )
-        if cdiv(n_prompt + max_tokens, self.block_size) > self.num_blocks:
+        if not self.kv_cache_manager.can_ever_fit(n_prompt + max_tokens, self.scheduler.config.max_num_batched_tokens):
             raise RequestTooLongError(
                 f"the request needs up to {n_prompt + max_tokens} tokens of KV cache, more than the whole pool "
                 f"({self.num_blocks} blocks x {self.block_size} = {self.num_blocks * self.block_size} tokens)",
                 param="max_tokens",
             )
+        if params.use_beam_search:
+            # The beams advance in lockstep: all of them must be able to run (and hold KV) at once.
+            width = params.best_of or params.n
+            max_seqs = self.scheduler.config.max_num_seqs
+            if width > max_seqs:
+                raise InvalidRequestError(
+                    f"beam width {width} (best_of) exceeds --max-num-seqs {max_seqs}: the beams run together",
+                    param="best_of")
+            need = width * self.kv_cache_manager.max_blocks_held(n_prompt + max_tokens,
+                                                                self.scheduler.config.max_num_batched_tokens)
+            if need > self.num_blocks:
+                raise RequestTooLongError(
+                    f"beam search with {width} beams over up to {n_prompt + max_tokens} tokens may need {need} KV "
+                    f"blocks at once, more than the pool's {self.num_blocks}", param="max_tokens")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
         group = _Group(request_id, text, ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        for i in range(params.n):
+        beam = params.use_beam_search
+        width = (params.best_of or params.n) if beam else params.n
+        if beam:
+            group.beam = _BeamState(width=width, max_tokens=max_tokens)
+        for i in range(width):
             child_params = params
-            if params.n > 1:
+            if width > 1 or beam:
                 child_params = copy.copy(params)
                 child_params.n = 1
                 if params.seed is not None:
                     child_params.seed = (params.seed + i) % 2**64  # stays a valid torch seed
-            child_id = request_id if params.n == 1 else f"{request_id}-{i}"
+                if beam:  # each beam needs the top 2 * width log-probabilities of its next token
+                    child_params.temperature = 0.0
+                    child_params.logprobs = 2 * width
+            child_id = request_id if width == 1 and not beam else f"{request_id}-{i}"
             req = Request(child_id, ids, child_params, eos_token_id=self.eos_token_id,
                           max_tokens=max_tokens, arrival_time=now)
+            req.cache_salt = cache_salt
+            if i > 0:
+                req.fork_of = group.choices[0].request
             detok = IncrementalDetokenizer(self.tokenizer, ids, child_params)
             want_lp = params.logprobs is not None
             group.choices.append(_Choice(i, req, detok, [] if want_lp else None, 0.0 if want_lp else None))
@@ -334,10 +413,11 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, cache_salt: str | None = None,
     ) -> None:
         """Validate and queue a request (see :meth:`prepare_request` and :meth:`add_prepared`)."""
-        self.add_prepared(self.prepare_request(request_id, prompt, params or SamplingParams(), arrival_time))
+        self.add_prepared(self.prepare_request(request_id, prompt, params or SamplingParams(), arrival_time,
+                                               cache_salt))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its choices) and free its KV blocks. Idempotent.
@@ -385,9 +465,16 @@ class LLMEngine:
         """
         stats = StepStats(finished=self._abort_stats.finished)
         self._abort_stats = StepStats()
-        sched = self.scheduler.schedule()
+        sched_ = self.scheduler
+        swaps = (sched_.num_swap_outs, sched_.num_swap_ins)
+        sched = sched_.schedule()
         stats.num_preemptions = len(sched.preempted)
+        stats.num_swap_outs = sched_.num_swap_outs - swaps[0]
+        stats.num_swap_ins = sched_.num_swap_ins - swaps[1]
         changed: dict[str, list[CompletionOutput]] = {}
+        beam_groups: dict[str, _Group] = {}
+        if sched.is_empty and (sched.swap_out or sched.swap_in or sched.block_copies):
+            self.runner.execute(sched)  # block moves only (e.g. the last running request swapped out)
         if not sched.is_empty:
             try:
                 results = self.runner.execute(sched)
@@ -408,9 +495,24 @@ class LLMEngine:
                 if not s.needs_sample or res is None or req.is_finished:
                     continue
                 group, choice = self._child_to_group[req.request_id]
+                if group.beam is not None:
+                    group.beam.pending[choice.index] = res
+                    beam_groups[group.request_id] = group
+                    continue
                 self._append_token(choice, res, now, stats)
                 changed.setdefault(group.request_id, []).append(self._choice_output(choice, now, stats))
+        beam_done = []
+        for group in beam_groups.values():
+            if self._beam_advance(group, now, stats):
+                beam_done.append(group)
         outputs = [self._group_output(self._groups[rid], chs) for rid, chs in changed.items()]
+        outputs.extend(self._beam_output(g) for g in beam_done)
+        kv = self.kv_cache_manager
+        q0, h0, c0 = self._kv_counters
+        self._kv_counters = (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.num_cow_copies)
+        stats.prefix_cache_queries = kv.prefix_cache_queries - q0
+        stats.prefix_cache_hits = kv.prefix_cache_hits - h0
+        stats.num_cow_copies = kv.num_cow_copies - c0
         stats.num_running = self.scheduler.num_running
         stats.num_waiting = self.scheduler.num_waiting
         stats.kv_cache_usage = self.kv_cache_manager.usage
@@ -448,7 +550,8 @@ class LLMEngine:
             if stop_str is not None:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = stop_str
-        if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+        if status is None and (req.num_output_tokens >= req.max_tokens
+                               or (req.num_tokens >= self.max_model_len and not self.streaming)):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish_request(req, status)
@@ -495,4 +598,128 @@ class LLMEngine:
             prompt_token_ids=group.prompt_token_ids,
             outputs=changed,
             finished=finished,
+            num_cached_tokens=max(0, group.choices[0].request.num_cached_tokens),
         )
+
+    # ------------------------------------------------------------------ beam search
+
+    def _beam_advance(self, group: _Group, now: float, stats: StepStats) -> bool:
+        """One beam-search step for ``group`` once every live beam has its next-token
+        log-probabilities; returns True when the search is over (all beams finished).
+
+        Follows Hugging Face transformers' ``_beam_search`` (itself the classic beam search with
+        length penalty, Wu et al. 2016): candidates are the top ``2 * width`` of
+        ``beam score + log p(token)`` over all beams; the top ``width`` candidates that end in
+        EOS / a stop token (or reach ``max_tokens``) become finished hypotheses scored by
+        ``sum logprob / generated_len ** length_penalty``; the best ``width`` others continue.
+        Continuing beams fork the KV blocks of the beam they extend (copy-on-write).
+        """
+        bs = group.beam
+        assert bs is not None
+        reqs = [c.request for c in group.choices]
+        if len(bs.pending) < len(reqs) or any(
+                r.num_computed_tokens != r.num_tokens or r.swapped_out for r in reqs):
+            return False  # some beam is not there yet (e.g. preempted and recomputing)
+        params = group.params
+        width = bs.width
+        gen_len = reqs[0].num_output_tokens + 1  # generated length including the new token
+        stop_ids = set(params.stop_token_ids)
+        if self.eos_token_id is not None and not params.ignore_eos:
+            stop_ids.add(self.eos_token_id)
+        blocked = gen_len <= params.min_tokens  # EOS / stop tokens are not allowed yet
+        cands: list[tuple[float, int, int, float, list[tuple[int, float]]]] = []
+        # All beams hold the same prompt at first: expand beam 0 only (transformers starts the
+        # other beams at score -1e9 for the same reason).
+        for slot in range(width if bs.started else 1):
+            res = bs.pending[slot]
+            top = res.logprob.top if res.logprob is not None else []
+            for tok, lp in top:
+                if blocked and tok in stop_ids:
+                    continue
+                cands.append((bs.scores[slot] + lp, slot, tok, lp, top))
+        cands.sort(key=lambda c: -c[0])
+        cands = cands[: 2 * width]
+        at_max = gen_len >= bs.max_tokens or len(group.prompt_token_ids) + gen_len >= self.max_model_len
+        hits = [at_max or c[2] in stop_ids for c in cands]
+        running = [c for c, h in zip(cands, hits) if not h][:width]
+        may_add = bs.improvable and not (params.early_stopping is True and len(bs.finished) >= width)
+        if may_add:
+            for c, h in zip(cands[:width], hits[:width]):
+                if h:
+                    score, slot, tok, lp, top = c
+                    tokens = reqs[slot].output_token_ids + [tok]
+                    lps = bs.token_logprobs[slot] + [TokenLogprob(tok, lp, top[: params.logprobs or 0])]
+                    reason = "length" if tok not in stop_ids else "stop"
+                    bs.finished.append((score / gen_len ** params.length_penalty, score, tokens, lps, reason, tok))
+            bs.finished.sort(key=lambda f: -f[0])
+            del bs.finished[width:]
+        if running and len(bs.finished) >= width:
+            best_len = gen_len
+            if params.early_stopping == "never" and params.length_penalty > 0:
+                best_len = bs.max_tokens
+            best_possible = running[0][0] / best_len ** params.length_penalty
+            if not best_possible > min(f[0] for f in bs.finished):
+                bs.improvable = False
+        done = (not bs.improvable or (params.early_stopping is True and len(bs.finished) >= width)
+                or all(hits) or not running)
+        bs.pending.clear()
+        bs.started = True
+        if done:
+            for c in group.choices:
+                self.scheduler.finish_request(c.request, RequestStatus.FINISHED_STOPPED)
+                c.request.first_token_time = c.request.first_token_time or now
+            return True
+        # Continue: beam j extends running[j]'s source beam with its token.
+        num_tokens = reqs[0].num_tokens
+        snapshot = [(list(r.output_token_ids), list(bs.token_logprobs[i])) for i, r in enumerate(reqs)]
+        moves = [(reqs[j], reqs[c[1]]) for j, c in enumerate(running)]
+        self.kv_cache_manager.reassign(moves, num_tokens)
+        new_scores = []
+        for j, (score, slot, tok, lp, top) in enumerate(running):
+            r = reqs[j]
+            toks, lps = snapshot[slot]
+            r.output_token_ids = toks + [tok]
+            bs.token_logprobs[j] = lps + [TokenLogprob(tok, lp, top[: params.logprobs or 0])]
+            r.num_computed_tokens = num_tokens
+            new_scores.append(score)
+            if r.first_token_time is None:
+                r.first_token_time = now
+                stats.time_to_first_tokens.append(now - r.arrival_time)
+                stats.num_prompt_tokens += r.num_prompt_tokens if j == 0 else 0
+        # Fewer continuations than beams (only possible with tiny vocabularies): retire the rest.
+        for j in range(len(running), width):
+            self.scheduler.finish_request(reqs[j], RequestStatus.FINISHED_STOPPED)
+        bs.scores = new_scores + [float("-inf")] * (width - len(running))
+        stats.num_generation_tokens += len(running)
+        return False
+
+    def _beam_output(self, group: _Group) -> RequestOutput:
+        """The final output of a finished beam search: the ``n`` best hypotheses, best first."""
+        bs = group.beam
+        assert bs is not None
+        params = group.params
+        now = time.monotonic()
+        outs = []
+        for i, (_norm, cum, tokens, lps, reason, last) in enumerate(bs.finished[: params.n]):
+            text = self.tokenizer.decode(tokens, skip_special_tokens=params.skip_special_tokens)
+            outs.append(CompletionOutput(
+                index=i, text=text, token_ids=tokens, delta_text=text, delta_token_ids=list(tokens),
+                logprobs=lps if params.logprobs is not None else None,
+                delta_logprobs=lps if params.logprobs is not None else None,
+                cumulative_logprob=cum, finish_reason=reason,
+                stop_reason=last if reason == "stop" and last != self.eos_token_id else None,
+            ))
+        req0 = group.choices[0].request
+        for c in group.choices:
+            c.stats_done = True
+        self._abort_stats.finished.append(FinishedRequestStats(
+            finish_reason=outs[0].finish_reason if outs else "stop", e2e_latency=now - req0.arrival_time,
+            queue_time=(req0.first_scheduled_time - req0.arrival_time) if req0.first_scheduled_time else 0.0,
+            num_prompt_tokens=req0.num_prompt_tokens,
+            num_generation_tokens=sum(len(o.token_ids) for o in outs)))
+        self._groups.pop(group.request_id, None)
+        for c in group.choices:
+            self._child_to_group.pop(c.request.request_id, None)
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=outs, finished=True,
+                             num_cached_tokens=max(0, req0.num_cached_tokens))

@@ -37,6 +37,10 @@ class StepStats:
         time_to_first_tokens: TTFT of each request whose first token came this step, seconds.
         inter_token_latencies: time since each request's previous token, seconds.
         finished: requests that finished this step.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache this step (tokens).
+        prefix_cache_hits: of those, tokens served from the cache (tokens).
+        num_swap_outs, num_swap_ins: requests swapped to / back from the host swap pool.
+        num_cow_copies: KV blocks copied on write this step.
     """
 
     num_running: int = 0
@@ -48,3 +52,8 @@ class StepStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_cow_copies: int = 0

@@ -14,7 +14,7 @@ from kvfleet.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 _INT_ARGS = {"block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-             "max_waiting_requests", "seed", "num_threads"}
+             "max_waiting_requests", "seed", "num_threads", "sink_tokens", "streaming_window"}
 
 
 class LLM:
@@ -26,7 +26,11 @@ class LLM:
         **kwargs: engine settings by their CLI names with underscores: ``block_size``,
             ``num_kv_blocks``, ``kv_cache_memory`` (bytes or ``"2GiB"``), ``max_num_seqs``,
             ``max_num_batched_tokens``, ``max_model_len``, ``enable_chunked_prefill``, ``dtype``,
-            ``seed``, ``num_threads``, ``served_model_name``.
+            ``seed``, ``num_threads``, ``served_model_name``; KV cache management:
+            ``enable_prefix_caching``, ``prefix_cache`` (``hash``/``radix``),
+            ``scheduling_policy`` (``fcfs``/``lpm``), ``preemption_mode`` (``recompute``/``swap``),
+            ``swap_space`` (GiB), ``kv_cache_dtype`` (``auto``/``fp8_e4m3``/``fp8_e5m2``),
+            ``kv_eviction`` (``none``/``streaming``), ``sink_tokens``, ``streaming_window``.
 
     Raises:
         FileNotFoundError, ValueError: unknown model or invalid settings.
@@ -39,9 +43,10 @@ class LLM:
         for k, v in kwargs.items():
             if k in _INT_ARGS and v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise TypeError(f"{k} must be an integer, got {v!r}")
-        cache_keys = {"block_size", "num_kv_blocks", "kv_cache_memory"}
+        cache_keys = {"block_size", "num_kv_blocks", "kv_cache_memory", "kv_cache_dtype", "enable_prefix_caching",
+                      "prefix_cache", "swap_space", "kv_eviction", "sink_tokens", "streaming_window"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
-                      "enable_chunked_prefill"}
+                      "enable_chunked_prefill", "preemption_mode", "scheduling_policy"}
         engine_keys = {"served_model_name", "dtype", "seed", "num_threads"}
         unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
         if unknown:
@@ -49,6 +54,8 @@ class LLM:
         cache = {k: v for k, v in kwargs.items() if k in cache_keys}
         if "kv_cache_memory" in cache:
             cache["kv_cache_memory_bytes"] = cache.pop("kv_cache_memory")
+        if "swap_space" in cache:  # GiB, like --swap-space
+            cache["swap_space_bytes"] = int(float(cache.pop("swap_space")) * 2**30)
         sched = {k: v for k, v in kwargs.items() if k in sched_keys}
         sched.setdefault("max_waiting_requests", None)
         config = EngineConfig(

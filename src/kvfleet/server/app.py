@@ -56,6 +56,7 @@ from kvfleet.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
     TopLogprob,
@@ -341,23 +342,28 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from e
 
-    async def admit(request_id: str, prompt: str | list[int], params: Any) -> Any:
+    async def admit(request_id: str, prompt: str | list[int], params: Any, cache_salt: str | None = None) -> Any:
         if not engine.healthy:
             raise EngineDeadError("the engine loop is not running")
-        return await engine.add_request_async(request_id, prompt, params)
+        return await engine.add_request_async(request_id, prompt, params, cache_salt=cache_salt)
+
+    def usage(n_prompt: int, n_gen: int, n_cached: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=n_cached))
 
     async def collect(stream: Any, raw: Request, n: int, prefix: str) -> tuple[
-            dict[int, list[str]], dict[int, list[TokenLogprob]], dict[int, tuple[str | None, Any]], int, int]:
+            dict[int, list[str]], dict[int, list[TokenLogprob]], dict[int, tuple[str | None, Any]], UsageInfo]:
         """Drain a non-streamed request: per choice its text pieces (starting with ``prefix``),
-        logprobs and (finish_reason, stop_reason); plus prompt and generated token counts."""
+        logprobs and (finish_reason, stop_reason); plus its token usage."""
         texts: dict[int, list[str]] = {i: [prefix] for i in range(n)}
         lps: dict[int, list[TokenLogprob]] = {i: [] for i in range(n)}
         finish: dict[int, tuple[str | None, Any]] = {}
-        n_prompt = n_gen = 0
+        n_prompt = n_gen = n_cached = 0
         async with _RequestGuard(stream, raw) as guard:
             async for out in stream:
                 guard.see(out)
                 n_prompt = len(out.prompt_token_ids)
+                n_cached = out.num_cached_tokens
                 for c in out.outputs:
                     texts[c.index].append(c.delta_text)
                     n_gen += len(c.delta_token_ids)
@@ -367,7 +373,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                         finish[c.index] = (c.finish_reason, c.stop_reason)
                 if out.finished:
                     break
-        return texts, lps, finish, n_prompt, n_gen
+        return texts, lps, finish, usage(n_prompt, n_gen, n_cached)
 
     # ------------------------------------------------------------------ chat
 
@@ -379,14 +385,14 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages, body.add_generation_prompt is not False,
                                              body.chat_template_kwargs)
         request_id = random_id("chatcmpl")
-        stream = await admit(request_id, prompt_ids, params)
+        stream = await admit(request_id, prompt_ids, params, body.cache_salt)
         k = params.logprobs or 0
         want_lp = params.logprobs is not None
         if body.stream:
             guard = _RequestGuard(stream, raw)
             return _SSEResponse(chat_stream(body, request_id, stream, guard, params.n, want_lp, k), guard.abort)
 
-        texts, lps, finish, n_prompt, n_gen = await collect(stream, raw, params.n, "")
+        texts, lps, finish, use = await collect(stream, raw, params.n, "")
         choices = [
             ChatCompletionChoice(
                 index=i, message=ChatMessage(content="".join(texts[i])),
@@ -394,9 +400,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                 finish_reason=finish.get(i, ("abort", None))[0], stop_reason=finish.get(i, (None, None))[1])
             for i in range(params.n)
         ]
-        resp = ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                                      total_tokens=n_prompt + n_gen))
+        resp = ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=use)
         return JSONResponse(resp.model_dump())
 
     async def sse_events(request_id: str, stream: Any, guard: _RequestGuard, include_usage: bool,
@@ -405,7 +409,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         """The SSE body of a streamed request: ``opening`` choices, then one chunk per changed
         choice (built by ``make_choice``), the usage chunk when asked, and ``[DONE]``. An engine
         error mid-stream becomes an error event."""
-        n_prompt = n_gen = 0
+        n_prompt = n_gen = n_cached = 0
         try:
             async with guard:
                 for choice in opening:
@@ -413,6 +417,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                 async for out in stream:
                     guard.see(out)
                     n_prompt = len(out.prompt_token_ids)
+                    n_cached = out.num_cached_tokens
                     for c in out.outputs:
                         n_gen += len(c.delta_token_ids)
                         if not (c.delta_text or c.finish_reason or (want_lp and c.delta_logprobs)):
@@ -421,8 +426,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                     if out.finished:
                         break
             if include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                          total_tokens=n_prompt + n_gen))
+                yield chunk([], usage(n_prompt, n_gen, n_cached))
         except (KVFleetError, ValueError, RuntimeError) as e:
             logger.exception("stream %s failed", request_id)
             yield _sse(_error_payload(e))
@@ -452,7 +456,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         params = body.to_sampling_params()
         prompt = body.single_prompt()
         request_id = random_id("cmpl")
-        stream = await admit(request_id, prompt, params)
+        stream = await admit(request_id, prompt, params, body.cache_salt)
         k = params.logprobs or 0
         want_lp = params.logprobs is not None
         echo = ""
@@ -463,7 +467,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             return _SSEResponse(completion_stream(body, request_id, stream, guard, params.n, want_lp, k, echo),
                                 guard.abort)
 
-        texts, lps, finish, n_prompt, n_gen = await collect(stream, raw, params.n, echo)
+        texts, lps, finish, use = await collect(stream, raw, params.n, echo)
         choices = [
             CompletionChoice(
                 index=i, text="".join(texts[i]),
@@ -471,9 +475,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                 finish_reason=finish.get(i, ("abort", None))[0], stop_reason=finish.get(i, (None, None))[1])
             for i in range(params.n)
         ]
-        resp = CompletionResponse(id=request_id, model=model_name, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen,
-                                                  total_tokens=n_prompt + n_gen))
+        resp = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=use)
         return JSONResponse(resp.model_dump())
 
     def completion_stream(body: CompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,

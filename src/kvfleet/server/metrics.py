@@ -58,7 +58,10 @@ class ServerMetrics:
     Metrics (label ``model_name``): gauges ``vllm:num_requests_running``,
     ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (fraction in [0, 1]); counters
     ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:num_preemptions_total``,
-    ``vllm:request_success_total{finished_reason}``; histograms (seconds)
+    ``vllm:request_success_total{finished_reason}``, ``vllm:prefix_cache_queries_total`` and
+    ``vllm:prefix_cache_hits_total`` (tokens, as in vLLM v1), and kvfleet's own
+    ``kvfleet:swap_out_total``, ``kvfleet:swap_in_total`` (requests) and
+    ``kvfleet:cow_block_copies_total`` (blocks); histograms (seconds)
     ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
     ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``; token-count
     histograms ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``; info gauge
@@ -84,6 +87,18 @@ class ServerMetrics:
                                          labels, registry=r).labels(model_name)
         self.num_preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                        labels, registry=r).labels(model_name)
+        self.prefix_cache_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+            labels, registry=r).labels(model_name)
+        self.prefix_cache_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=r).labels(model_name)
+        self.swap_outs = Counter("kvfleet:swap_out", "Requests preempted by swapping their KV to host memory.",
+                                 labels, registry=r).labels(model_name)
+        self.swap_ins = Counter("kvfleet:swap_in", "Requests whose KV was swapped back from host memory.",
+                                labels, registry=r).labels(model_name)
+        self.cow_copies = Counter("kvfleet:cow_block_copies", "KV blocks copied on write.",
+                                  labels, registry=r).labels(model_name)
         self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                         labels + ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
@@ -123,6 +138,11 @@ class ServerMetrics:
             self.generation_tokens.inc(stats.num_generation_tokens)
         if stats.num_preemptions:
             self.num_preemptions.inc(stats.num_preemptions)
+        for counter, v in ((self.prefix_cache_queries, stats.prefix_cache_queries),
+                           (self.prefix_cache_hits, stats.prefix_cache_hits), (self.swap_outs, stats.num_swap_outs),
+                           (self.swap_ins, stats.num_swap_ins), (self.cow_copies, stats.num_cow_copies)):
+            if v:
+                counter.inc(v)
         for t in stats.time_to_first_tokens:
             self.ttft.observe(t)
         for t in stats.inter_token_latencies:

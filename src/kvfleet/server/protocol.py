@@ -70,12 +70,19 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens`` = prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     """Token accounting of a request (tokens)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -105,6 +112,10 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
+    cache_salt: str | None = None
+    use_beam_search: bool | None = False
+    length_penalty: float | None = 1.0
+    early_stopping: bool | Literal["never"] | None = False
 
     def _build_params(self, max_tokens: int | None, logprobs: int | None,
                       param_renames: dict[str, str] | None = None) -> SamplingParams:
@@ -135,6 +146,10 @@ class _SamplingFields(OpenAIBaseModel):
                 spaces_between_special_tokens=(
                     True if self.spaces_between_special_tokens is None else self.spaces_between_special_tokens
                 ),
+                use_beam_search=bool(self.use_beam_search),
+                best_of=getattr(self, "best_of", None),
+                length_penalty=1.0 if self.length_penalty is None else self.length_penalty,
+                early_stopping=False if self.early_stopping is None else self.early_stopping,
             )
         except InvalidRequestError as e:
             renames = param_renames or {}
@@ -142,6 +157,13 @@ class _SamplingFields(OpenAIBaseModel):
                 new = renames[e.param]
                 raise InvalidRequestError(e.message.replace(e.param, new, 1), param=new) from None
             raise
+
+    def _check_beam(self) -> None:
+        """Beam search is not streamed (the best beams are only known at the end)."""
+        if self.use_beam_search and self.stream:
+            raise InvalidRequestError("use_beam_search does not support stream=true", param="stream")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
 
     @property
     def include_usage(self) -> bool:
@@ -169,6 +191,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    best_of: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         """The request's :class:`SamplingParams`.
@@ -178,6 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
         """
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self._check_beam()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         renames = {"logprobs": "top_logprobs"}
@@ -312,12 +336,11 @@ class CompletionRequest(_SamplingFields):
         """The request's :class:`SamplingParams`.
 
         Raises:
-            InvalidRequestError: out-of-range field, ``best_of != n``, ``suffix`` or
-                ``echo`` with ``logprobs`` (not supported).
+            InvalidRequestError: out-of-range field, ``best_of != n`` without beam search,
+                ``suffix`` or ``echo`` with ``logprobs`` (not supported), beam search with
+                ``stream``.
         """
-        n = 1 if self.n is None else self.n
-        if self.best_of is not None and self.best_of != n:
-            raise InvalidRequestError("best_of is not supported (it must equal n)", param="best_of")
+        self._check_beam()
         if self.suffix:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if self.echo and self.logprobs is not None:
