@@ -36,27 +36,19 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (1 + weight)`` over the last dimension.
 
     The weight is stored zero-centred (Hugging Face convention: a freshly initialised norm is the
     identity), and the product is taken in float32 before casting back, as Gemma's reference
-    implementation does (unlike Llama, which casts before multiplying).
-
-    Args:
-        hidden_size: size of the last dimension.
-        eps: added to the mean square.
-        dtype: parameter dtype.
-
-    Shapes:
-        x: ``[..., hidden_size]`` any float dtype -> same shape and dtype.
+    implementation does (unlike Llama, which casts before multiplying). Arguments and shapes as
+    :class:`RMSNorm`.
     """
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-        self.hidden_size = hidden_size
+        super().__init__(hidden_size, eps, dtype)
+        with torch.no_grad():
+            self.weight.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
