@@ -155,6 +155,8 @@ class LLMEngine:
         if self.streaming:
             if window is not None or windows:
                 raise ValueError("--kv-eviction streaming is not supported for models with a sliding window")
+            if cc.enable_prefix_caching and cc.prefix_cache == "radix":
+                raise ValueError("--kv-eviction streaming does not support --prefix-cache radix; use hash")
             window, sinks = cc.streaming_window, cc.sink_tokens
         self.num_host_blocks = cc.swap_space_bytes // bytes_per_block if cc.swap_space_bytes else 0
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size,
