@@ -88,3 +88,22 @@ def test_bench_serve_multi_turn_resends_history(server, tokenizer_dir, tmp_path)
         # turn 1 carries turn 0's user message and the 4-token reply, plus its own user message
         assert t1["prompt_tokens"] >= t0["prompt_tokens"] + 4 + 8
         assert t1["start"] >= t0["start"] + t0["latency"]  # sent after the previous reply
+
+
+def test_prefix_cache_counters_show_shared_prefix_hits(server, tokenizer_dir, tmp_path):
+    from kvfleet.bench.compare import prefix_cache_delta, scrape_prefix_cache_counters
+
+    before = scrape_prefix_cache_counters(server)
+    assert before is not None and before["hits"] <= before["queries"]
+    # 1 tenant x 64-token system prompt x 3 questions, one at a time: questions 2 and 3 reuse its blocks
+    rc = main(["bench", "serve", "--base-url", server, "--tokenizer", tokenizer_dir, "--dataset", "shared-prefix",
+               "--shared-prefix-tenants", "1", "--shared-prefix-len", "64", "--shared-prefix-questions", "3",
+               "--shared-prefix-question-len", "8", "--output-len", "2", "--num-warmups", "0",
+               "--max-concurrency", "1", "--result-json", str(tmp_path / "sp.json"), "--no-progress"])
+    assert rc == 0
+    delta = prefix_cache_delta(before, scrape_prefix_cache_counters(server))
+    assert delta is not None
+    assert 3 * 70 <= delta["queried_tokens"] <= 3 * 80
+    assert delta["hit_tokens"] >= 2 * 48  # at least 3 full 16-token blocks of the prefix, twice
+    assert 0 < delta["hit_rate"] < 1
+    assert scrape_prefix_cache_counters("http://127.0.0.1:9") is None  # nothing listening

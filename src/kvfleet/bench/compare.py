@@ -205,6 +205,48 @@ def stop_engine(proc: subprocess.Popen, timeout_s: float = 20.0) -> int | None:
     return proc.returncode
 
 
+PREFIX_CACHE_COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
+
+
+def scrape_prefix_cache_counters(base_url: str, timeout_s: float = 5.0) -> dict[str, float] | None:
+    """Read the prefix-cache counters (in tokens) from a server's Prometheus ``/metrics``.
+
+    kvfleet and vLLM export ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total``;
+    samples with several label sets (vLLM labels by model and engine) are summed.
+
+    Args:
+        base_url: the server's root, e.g. ``http://127.0.0.1:8000``.
+        timeout_s: HTTP timeout.
+
+    Returns:
+        ``{"queries": tokens, "hits": tokens}``, or ``None`` when the server has no ``/metrics`` or
+        does not export both counters (llama.cpp, transformers serve).
+    """
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+        r.raise_for_status()
+        families = list(text_string_to_metric_families(r.text))
+    except (httpx.HTTPError, ValueError):
+        return None
+    totals: dict[str, float] = {}
+    for fam in families:
+        if fam.name in PREFIX_CACHE_COUNTERS:
+            key = fam.name.rsplit("_", 1)[1]  # queries | hits
+            totals[key] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    return totals if len(totals) == 2 else None
+
+
+def prefix_cache_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """Tokens queried and hit between two :func:`scrape_prefix_cache_counters` readings, and the hit rate."""
+    if before is None or after is None:
+        return None
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
+    return {"queried_tokens": queries, "hit_tokens": hits, "hit_rate": hits / queries if queries > 0 else None}
+
+
 def _tail(path: Path, n: int = 15) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -235,9 +277,11 @@ def run_compare(engines: list[str], model: str, scenarios: dict[str, ServeBenchC
 
     Returns:
         ``{"kind": "compare", "command", "date", "model", "engines": {name: info},
-        "scenarios": {scenario: {engine: serve result}}}``. ``info`` holds the launch command,
-        precision, threads, startup seconds and load average before the engine ran, or ``error``
-        (why it could not run; its scenarios then have no entry for it).
+        "scenarios": {scenario: {engine: serve result}}}``. Each serve result also holds
+        ``prefix_cache``: the prefix-cache tokens queried and hit during the scenario (warm-ups
+        included), from the engine's ``/metrics``, or ``None`` where it exports no such counters.
+        ``info`` holds the launch command, precision, threads, startup seconds and load average
+        before the engine ran, or ``error`` (why it could not run; its scenarios then have no entry for it).
 
     Raises:
         ValueError: an unknown engine name.
@@ -281,8 +325,11 @@ def run_compare(engines: list[str], model: str, scenarios: dict[str, ServeBenchC
                                                model=launch.served_model,
                                                ignore_eos=serve_cfg.endpoint.ignore_eos and launch.supports_ignore_eos))
                 load = [round(x, 2) for x in os.getloadavg()]
+                counters = scrape_prefix_cache_counters(launch.base_url)
                 res = run_serving_benchmark(cfg, tokenizer, command=command)
                 res["engine"] = {**info, "load_average_before": load}
+                # includes the scenario's warm-up requests; None where the engine exports no counters
+                res["prefix_cache"] = prefix_cache_delta(counters, scrape_prefix_cache_counters(launch.base_url))
                 per_scenario[scen][name] = res
                 if proc.poll() is not None:
                     info["error"] = f"server exited with status {proc.returncode} during scenario {scen!r}"

@@ -66,10 +66,12 @@ def format_serve_table(result: dict[str, Any]) -> str:
 def format_compare_table(results: dict[str, dict[str, Any]], baseline: str = "kvfleet") -> str:
     """One row per (engine, rate) of a ``bench compare``; ``x kvfleet`` columns give the engine's
     output throughput and p50 TTFT / TPOT divided by the baseline's at the same rate (throughput
-    > 1 and latency < 1 mean better than the baseline)."""
+    > 1 and latency < 1 mean better than the baseline); ``prefix hit %`` is the share of prompt
+    tokens the engine served from its prefix cache over the whole scenario (all its rates), where
+    it exports the counters."""
     base_runs = {_rate(r): r["metrics"] for r in results.get(baseline, {}).get("runs", [])}
     headers = ("engine", "precision", "threads", *SERVE_HEADERS, "tok/s x base", "TTFT p50 x base",
-               "TPOT p50 x base")
+               "TPOT p50 x base", "prefix hit %")
     rows = []
     for name, res in results.items():
         info = res.get("engine", {})
@@ -81,8 +83,10 @@ def format_compare_table(results: dict[str, dict[str, Any]], baseline: str = "kv
                     return None
                 return m[key] / b[key]
 
+            pc = res.get("prefix_cache") or {}
+            hit = None if pc.get("hit_rate") is None else 100.0 * pc["hit_rate"]
             rows.append([name, info.get("precision", "?"), info.get("threads", "?"), *_serve_row(run),
-                         ratio("output_throughput_tok_s"), ratio("p50_ttft_ms"), ratio("p50_tpot_ms")])
+                         ratio("output_throughput_tok_s"), ratio("p50_ttft_ms"), ratio("p50_tpot_ms"), hit])
     return format_table(headers, rows, digits=1)
 
 
