@@ -174,6 +174,34 @@ def test_gemma3_long_prompt_crosses_the_window(gemma, gemma_hf, long_prompt):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_gemma3_engine_frees_local_blocks_past_the_window(gemma, gemma_hf, long_prompt):
+    """The engine on the real Gemma-3-270M with its KV cache groups (one global, five local
+    groups of 3 layers): a ~600-token prompt plus 400 greedy tokens. The local groups hold at most
+    the window's blocks (plus one step's) while the global group holds the whole context, and the
+    tokens equal transformers' greedy generation."""
+    max_new = 400
+    eng = make_engine(gemma, block_size=16, max_num_batched_tokens=128, max_num_seqs=2)
+    kv = eng.kv_cache_manager
+    assert [g.sliding_window for g in kv.groups] == [None] + [512] * 5
+    eng.add_request("r0", long_prompt, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))
+    peak_local, tokens = 0, None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                tokens = out.outputs[0].token_ids
+        if "r0" in kv.request_ids():
+            per_group = kv.num_group_blocks("r0")
+            peak_local = max(peak_local, *per_group[1:])
+            final_global = per_group[0]
+    total = len(long_prompt) + max_new
+    assert final_global == kv.num_blocks_for(total - 1)  # the last sampled token is never computed
+    assert peak_local <= kv.groups[1].max_blocks_held(total, 128) == 41 < kv.num_blocks_for(total)
+    assert_pool_free(eng)
+    assert tokens == hf_greedy(gemma_hf, long_prompt, max_new)
+
+
+@pytest.mark.slow
 def test_gemma3_cached_tokenizer_matches_transformers(gemma, gemma_path):
     """Our tokenizer (built once from the GGUF, then loaded from the kvfleet cache) encodes and
     decodes like transformers' AutoTokenizer on the GGUF."""
@@ -231,6 +259,57 @@ def test_random_gemma3_matches_transformers(tmp_path):
         for j, lg in enumerate(lgs):
             torch.testing.assert_close(lg, ref[len(p) - 1 + j], atol=2e-4, rtol=1e-4)
         assert toks == hf_greedy(hf, p, 14)
+
+
+def test_kv_cache_groups_free_local_blocks_and_match_transformers(tmp_path):
+    """Hybrid KV cache groups on a random tiny Gemma 3 (windows 6 and full, block size 4):
+    the real scheduler and :class:`HybridKVCacheManager` drive the runner with one block table
+    per group over a shared pool of 2-layer pages; generations far past the window equal
+    transformers' greedy tokens, and the local groups never hold more than the window's blocks."""
+    from kvfleet.config import SchedulerConfig
+    from kvfleet.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager, kv_cache_groups
+    from kvfleet.engine.core.scheduler import Scheduler
+    from kvfleet.engine.request import RequestStatus
+
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+    hf, folder = _tiny_gemma(tmp_path, layer_types, window=6)
+    loaded = load_model(folder, load_tokenizer=False)
+    groups = kv_cache_groups(loaded.config.layer_windows())
+    assert [(g.sliding_window, g.layers) for g in groups] == [(None, (2, 5)), (6, (0, 1)), (6, (3, 4))]
+    bs, max_new = 4, 40
+    runner = ModelRunner(loaded, block_size=bs, num_blocks=48, sampler=argmax_sampler, kv_cache_groups=groups)
+    assert len({id(kv[0]) for kv in runner.kv_caches}) == 2  # 2 physical buffers for 6 layers
+    kv = HybridKVCacheManager(48, bs, [g.sliding_window for g in groups], enable_prefix_caching=True,
+                              max_step_tokens=10)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10), kv, 256)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (23, 9, 23)]
+    prompts[2][:12] = prompts[0][:12]  # a prefix-cache hit of 2 full blocks in every group
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True),
+                    max_tokens=max_new) for i, p in enumerate(prompts)]
+    for r in reqs[:2]:
+        sched.add_request(r)
+    bound = kv.groups[1].max_blocks_held(10**6, 10)
+    peak_local = 0
+    step = 0
+    while sched.has_unfinished():
+        step += 1
+        if step == 12:  # r0's prompt blocks are cached by now
+            sched.add_request(reqs[2])
+        out = sched.schedule()
+        res = runner.execute(out)
+        for rid in kv.request_ids():
+            peak_local = max(peak_local, *kv.num_group_blocks(rid)[1:])
+        for s in out.scheduled:
+            if s.needs_sample:
+                s.request.append_output_token(res[s.request.request_id].token_id)
+                if s.request.num_output_tokens >= max_new:
+                    sched.finish_request(s.request, RequestStatus.FINISHED_LENGTH)
+    assert peak_local <= bound == 5  # window 6 + a step of 10 tokens spans at most 5 blocks of 4
+    assert kv.prefix_cache_hits >= 8
+    for p, r in zip(prompts, reqs, strict=True):
+        assert r.output_token_ids == hf_greedy(hf, p, max_new)
+    assert kv.num_free_blocks == 48
 
 
 def test_runner_block_table_minus_one(tmp_path):

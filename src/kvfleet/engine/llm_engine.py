@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfleet.config import EngineConfig
+from kvfleet.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager, kv_cache_groups
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.scheduler import Scheduler
 from kvfleet.engine.detokenizer import IncrementalDetokenizer
@@ -125,7 +126,12 @@ class LLMEngine:
         )
         cc = config.cache
         self.block_size = cc.block_size
-        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(mc, cc.block_size, dtype, cc.kv_cache_dtype)
+        # Layers of different windows (Gemma 3) get KV cache groups with their own block tables
+        # over one pool of pages (hybrid_kv_cache_manager); a block is then a page of group_size layers.
+        self.kv_cache_groups = kv_cache_groups(mc.layer_windows())
+        page_layers = max(len(g.layers) for g in self.kv_cache_groups)
+        bytes_per_block = ModelRunner.kv_cache_bytes_per_block(mc, cc.block_size, dtype, cc.kv_cache_dtype,
+                                                               num_layers=page_layers)
         num_blocks = cc.num_kv_blocks or cc.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -145,24 +151,30 @@ class LLMEngine:
         else:
             self.max_model_len = min(model_len, pool_tokens)
         self.eos_token_id = mc.eos_token_id if mc.eos_token_id is not None else self.tokenizer.eos_token_id
-        windows = getattr(mc, "layer_sliding_windows", None)
-        if windows:  # per-layer windows (Gemma-3): blocks can only be freed if every layer has one
-            window = windows[0] if all(w is not None and w == windows[0] for w in windows) else None
-        else:
-            window = mc.sliding_window
+        hybrid = len(self.kv_cache_groups) > 1
+        window = self.kv_cache_groups[0].sliding_window
         self.streaming = cc.kv_eviction == "streaming"
         sinks = 0
         if self.streaming:
-            if window is not None or windows:
+            if window is not None or hybrid:
                 raise ValueError("--kv-eviction streaming is not supported for models with a sliding window")
             if cc.enable_prefix_caching and cc.prefix_cache == "radix":
                 raise ValueError("--kv-eviction streaming does not support --prefix-cache radix; use hash")
             window, sinks = cc.streaming_window, cc.sink_tokens
         self.num_host_blocks = cc.swap_space_bytes // bytes_per_block if cc.swap_space_bytes else 0
-        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size,
-                                               enable_prefix_caching=cc.enable_prefix_caching,
-                                               sliding_window=window, num_host_blocks=self.num_host_blocks,
-                                               prefix_cache=cc.prefix_cache, sink_tokens=sinks)
+        self.kv_cache_manager: KVCacheManager | HybridKVCacheManager
+        if hybrid:
+            self.kv_cache_manager = HybridKVCacheManager(
+                num_blocks, cc.block_size, [g.sliding_window for g in self.kv_cache_groups],
+                enable_prefix_caching=cc.enable_prefix_caching, num_host_blocks=self.num_host_blocks,
+                prefix_cache=cc.prefix_cache, max_step_tokens=sc.max_num_batched_tokens)
+            if sc.max_model_len is None:  # the longest request the pool holds (global layers grow, local do not)
+                self.max_model_len = min(model_len, self.kv_cache_manager.capacity_tokens)
+        else:
+            self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size,
+                                                   enable_prefix_caching=cc.enable_prefix_caching,
+                                                   sliding_window=window, num_host_blocks=self.num_host_blocks,
+                                                   prefix_cache=cc.prefix_cache, sink_tokens=sinks)
         # The waiting-queue bound is applied per user request (all n choices together) here,
         # not per choice in the scheduler, so a request with n > bound is not refused forever.
         self.max_waiting_requests = sc.max_waiting_requests
@@ -173,6 +185,7 @@ class LLMEngine:
 
         self.runner = ModelRunner(self.loaded, cc.block_size, num_blocks, dtype=dtype,
                                   sampler=Sampler(seed=config.seed), kv_cache_dtype=cc.kv_cache_dtype,
+                                  kv_cache_groups=self.kv_cache_groups,
                                   **({"streaming": (cc.sink_tokens, cc.streaming_window)} if self.streaming else {}))
         if self.num_host_blocks:
             self.runner.allocate_swap_space(self.num_host_blocks)
@@ -193,6 +206,12 @@ class LLMEngine:
             _human_bytes(bytes_per_block),
             config.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype,
         )
+        if hybrid:
+            logger.info(
+                "KV cache groups (a block is a page of %d layers): %s", page_layers,
+                ", ".join(f"{'full' if g.sliding_window is None else f'window {g.sliding_window}'} "
+                          f"layers {list(g.layers)}" for g in self.kv_cache_groups),
+            )
 
     # ------------------------------------------------------------------ requests
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfleet.engine.core.hybrid_kv_cache_manager import KVCacheGroupSpec
 from kvfleet.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvfleet.engine.outputs import SampleResult
 from kvfleet.engine.request import Request
@@ -48,24 +49,35 @@ class ModelRunner:
             tokens and the last ``N`` (itself included), with the sinks scored as if they sat
             just before the window (:mod:`kvfleet.model.layers.streaming`); None = normal
             attention. Only for models without sliding-window layers and with one rotary table.
+        kv_cache_groups: the model's KV cache groups when its layers have different windows
+            (:func:`~kvfleet.engine.core.hybrid_kv_cache_manager.kv_cache_groups`; Gemma 3). A
+            block id is then a page of ``group_size`` layers: the runner keeps ``group_size``
+            physical ``(k, v)`` buffers, layer ``i`` of every group uses buffer ``i``, and each
+            scheduled request brings one block table per group (``block_tables``). None or one
+            group = one block table for all layers.
 
     Attributes:
         kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
             head_dim]``: plain tensors in ``dtype`` for ``auto``, else
-            :class:`~kvfleet.model.layers.kv_cache.FP8KVCache` pools.
+            :class:`~kvfleet.model.layers.kv_cache.FP8KVCache` pools. With KV cache groups,
+            layers at the same position of different groups share (alias) one buffer.
         swap_caches: per layer ``(k, v)`` host (CPU) tensors ``[num_host_blocks, block_size,
-            num_kv_heads, head_dim]`` in the KV storage dtype, once :meth:`allocate_swap_space` ran.
+            num_kv_heads, head_dim]`` in the KV storage dtype, once :meth:`allocate_swap_space`
+            ran (aliased like ``kv_caches``).
+        layer_group: each layer's KV cache group index (all 0 without groups).
         num_host_blocks: blocks in the host swap pool (0 before :meth:`allocate_swap_space`).
 
     Raises:
         ValueError: ``block_size`` or ``num_blocks`` < 1, an unknown ``kv_cache_dtype``, or a bad
             ``streaming`` (not two ints, ``S < 0``, ``N < 1``, a sliding-window model, or a model
-            without a single rotary embedding).
+            without a single rotary embedding), or ``kv_cache_groups`` that do not cover every
+            layer once with its own window.
     """
 
     def __init__(self, loaded: LoadedModel, block_size: int, num_blocks: int, dtype: torch.dtype = torch.float32,
                  sampler: SamplerFn | None = None, kv_cache_dtype: str = "auto",
-                 streaming: tuple[int, int] | None = None) -> None:
+                 streaming: tuple[int, int] | None = None,
+                 kv_cache_groups: list[KVCacheGroupSpec] | None = None) -> None:
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"block_size and num_blocks must be >= 1, got {block_size}, {num_blocks}")
         kv_storage_dtype(kv_cache_dtype, dtype)  # validates the name
@@ -79,21 +91,42 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
         c = self.config
         layout = (block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_caches: list[tuple[LayerKV, LayerKV]] = [
-            (allocate_kv_pool(num_blocks, *layout, kv_cache_dtype, dtype),
-             allocate_kv_pool(num_blocks, *layout, kv_cache_dtype, dtype))
-            for _ in range(c.num_hidden_layers)
-        ]
+        # buffer of each layer: its position in its KV cache group (one group: its own index)
+        self.kv_groups: list[KVCacheGroupSpec] | None = None
+        self.layer_group = [0] * c.num_hidden_layers
+        self._layer_buffer = list(range(c.num_hidden_layers))
+        if kv_cache_groups is not None and len(kv_cache_groups) > 1:
+            self._set_groups(kv_cache_groups)
+        buffers = [(allocate_kv_pool(num_blocks, *layout, kv_cache_dtype, dtype),
+                    allocate_kv_pool(num_blocks, *layout, kv_cache_dtype, dtype))
+                   for _ in range(max(self._layer_buffer) + 1)]
+        self.kv_caches: list[tuple[LayerKV, LayerKV]] = [buffers[i] for i in self._layer_buffer]
+        # one layer per physical buffer, for block copies and swaps
+        self._buffer_layers = [self._layer_buffer.index(i) for i in range(len(buffers))]
         self.swap_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_host_blocks = 0
         self.streaming: tuple[int, int] | None = None
         if streaming is not None:
             self.streaming = self._check_streaming(streaming)
 
+    def _set_groups(self, groups: list[KVCacheGroupSpec]) -> None:
+        windows = self.config.layer_windows()
+        seen = sorted(layer for g in groups for layer in g.layers)
+        if seen != list(range(self.config.num_hidden_layers)):
+            raise ValueError(f"kv_cache_groups must cover every layer once, got layers {seen}")
+        for gi, g in enumerate(groups):
+            if any(windows[layer] != g.sliding_window for layer in g.layers):
+                raise ValueError(f"KV cache group {gi} mixes windows: {[windows[la] for la in g.layers]}")
+            for pos, layer in enumerate(g.layers):
+                self.layer_group[layer] = gi
+                self._layer_buffer[layer] = pos
+        self.kv_groups = list(groups)
+
     @staticmethod
     def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                                 kv_cache_dtype: str = "auto") -> int:
-        """Bytes one block takes over all layers, K and V:
+                                 kv_cache_dtype: str = "auto", num_layers: int | None = None) -> int:
+        """Bytes one block takes over ``num_layers`` layers (default: all; with KV cache groups,
+        the page size in layers), K and V:
         ``2 * layers * block_size * kv_heads * head_dim * itemsize``, where ``itemsize`` is that of
         the KV storage dtype (``dtype`` for ``auto``, 1 byte for fp8). fp8 scales are per tensor
         (two floats per layer for the whole pool), so no per-block scale bytes are added: the same
@@ -103,15 +136,15 @@ class ModelRunner:
             ValueError: unknown ``kv_cache_dtype``.
         """
         itemsize = torch.empty((), dtype=kv_storage_dtype(kv_cache_dtype, dtype)).element_size()
-        return (2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim
-                * itemsize)
+        layers = config.num_hidden_layers if num_layers is None else num_layers
+        return 2 * layers * block_size * config.num_key_value_heads * config.head_dim * itemsize
 
     @staticmethod
     def swap_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
-                             kv_cache_dtype: str = "auto") -> int:
+                             kv_cache_dtype: str = "auto", num_layers: int | None = None) -> int:
         """Bytes one host swap block takes (the same layout as a KV block, so the same as
         :meth:`kv_cache_bytes_per_block`); ``--swap-space`` bytes // this = ``num_host_blocks``."""
-        return ModelRunner.kv_cache_bytes_per_block(config, block_size, dtype, kv_cache_dtype)
+        return ModelRunner.kv_cache_bytes_per_block(config, block_size, dtype, kv_cache_dtype, num_layers)
 
     @property
     def sampler(self) -> SamplerFn:
@@ -139,13 +172,15 @@ class ModelRunner:
         self.num_host_blocks = num_host_blocks
         if num_host_blocks == 0:
             return
-        for k, v in self.kv_caches:
+        host = []
+        for layer in self._buffer_layers:
             pair = []
-            for dev in (block_storage(k), block_storage(v)):
+            for dev in (block_storage(c) for c in self.kv_caches[layer]):
                 pin = dev.device.type == "cuda"
                 pair.append(torch.zeros((num_host_blocks, *dev.shape[1:]), dtype=dev.dtype, device="cpu",
                                         pin_memory=pin))
-            self.swap_caches.append((pair[0], pair[1]))
+            host.append((pair[0], pair[1]))
+        self.swap_caches = [host[i] for i in self._layer_buffer]
 
     @staticmethod
     def _check_pairs(pairs: list[tuple[int, int]], n_src: int, n_dst: int, what: str,
@@ -194,7 +229,8 @@ class ModelRunner:
         """
         src, dst = self._swap_checked(pairs, out=True)
         if pairs:
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_caches, strict=True):
+            for layer in self._buffer_layers:
+                (k, v), (hk, hv) = self.kv_caches[layer], self.swap_caches[layer]
                 self._copy(block_storage(k), hk, src, dst)
                 self._copy(block_storage(v), hv, src, dst)
 
@@ -209,7 +245,8 @@ class ModelRunner:
         """
         src, dst = self._swap_checked(pairs, out=False)
         if pairs:
-            for (k, v), (hk, hv) in zip(self.kv_caches, self.swap_caches, strict=True):
+            for layer in self._buffer_layers:
+                (k, v), (hk, hv) = self.kv_caches[layer], self.swap_caches[layer]
                 self._copy(hk, block_storage(k), src, dst)
                 self._copy(hv, block_storage(v), src, dst)
 
@@ -226,7 +263,8 @@ class ModelRunner:
         """
         src, dst = self._check_pairs(pairs, self.num_blocks, self.num_blocks, "block_copies", "src block", "dst block")
         if pairs:
-            for k, v in self.kv_caches:
+            for layer in self._buffer_layers:
+                k, v = self.kv_caches[layer]
                 self._copy(block_storage(k), block_storage(k), src, dst)
                 self._copy(block_storage(v), block_storage(v), src, dst)
 
@@ -274,51 +312,33 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> _Batch:
         if self.streaming is not None:
             return self._prepare_streaming(sched)
-        bs = self.block_size
-        window, other_windows = self._windows()
         # Decodes sorted by context length, so that each decode group pads little.
         decodes = sorted((s for s in sched.scheduled if s.num_new_tokens == 1), key=lambda s: s.start_pos)
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         rows: dict[int, int] = {}  # id(ScheduledRequest) -> its last row in the flat batch
         for s in decodes:
-            p = s.start_pos
-            if len(s.block_table) * bs <= p:
-                raise ValueError(f"request {s.request.request_id}: block table too short for position {p}")
-            if s.block_table[p // bs] < 0:
-                raise ValueError(f"request {s.request.request_id}: no block (-1) for new position {p}")
             rows[id(s)] = len(ids)
-            ids.append(s.request.token_at(p))
-            pos.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
-        spans: list[PrefillSpan] = []
+            ids.append(s.request.token_at(s.start_pos))
+            pos.append(s.start_pos)
         for s in prefills:
-            start, n = s.start_pos, s.num_new_tokens
-            end = start + n
-            if len(s.block_table) * bs < end:
-                raise ValueError(f"request {s.request.request_id}: block table too short for {end} tokens")
-            if min(s.block_table[start // bs:(end - 1) // bs + 1]) < 0:
-                raise ValueError(f"request {s.request.request_id}: no block (-1) for new positions {start}..{end - 1}")
             q0 = len(ids)
             ids.extend(s.token_ids)
-            pos.extend(range(start, end))
-            slots.extend(self._slots(s.block_table, start, end))
-            rows[id(s)] = q0 + n - 1
-            # -1 marks a block freed because it lies wholly outside the window: always masked, so
-            # it may point at block 0.
-            bt = (torch.tensor(s.block_table[: (end + bs - 1) // bs], dtype=torch.long).clamp_min_(0)
-                  if start > 0 else None)
-            span = PrefillSpan(q0, q0 + n, start, bt, self._prefill_mask(start, end, window))
-            for w in other_windows:
-                span.window_masks[w] = self._prefill_mask(start, end, w)
-            spans.append(span)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=spans,
-                                 sliding_window=window)
-        meta.num_decodes = len(decodes)
-        for g0, g1 in _decode_groups([s.start_pos + 1 for s in decodes]):
-            meta.decode_groups.append(self._decode_group(decodes[g0:g1], g0))
+            pos.extend(range(s.start_pos, s.start_pos + s.num_new_tokens))
+            rows[id(s)] = q0 + s.num_new_tokens - 1
+        if self.kv_groups is None:
+            meta = self._build_meta(decodes, prefills, lambda s: s.block_table, *self._windows())
+        else:
+            for s in sched.scheduled:
+                if len(s.block_tables) != len(self.kv_groups):
+                    raise ValueError(f"request {s.request.request_id}: {len(s.block_tables)} block tables for "
+                                     f"{len(self.kv_groups)} KV cache groups")
+            metas = [self._build_meta(decodes, prefills, lambda s, g=g: s.block_tables[g], spec.sliding_window, [])
+                     for g, spec in enumerate(self.kv_groups)]
+            meta = metas[0]
+            meta.kv_groups = metas
+            meta.layer_groups = self.layer_group
         sample = [s for s in decodes + prefills if s.needs_sample]
         return _Batch(
             input_ids=torch.tensor(ids, dtype=torch.long),
@@ -328,15 +348,56 @@ class ModelRunner:
             sample_reqs=sample,
         )
 
-    def _decode_group(self, decodes: list[ScheduledRequest], row_start: int) -> DecodeGroup:
+    def _build_meta(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
+                    table_of: Callable[[ScheduledRequest], list[int]], window: int | None,
+                    other_windows: list[int | None]) -> AttentionMetadata:
+        """Attention metadata over the block tables ``table_of(s)`` (one KV cache group), with
+        masks for ``window`` (the default) and ``other_windows``. Rows: decodes, then prefills."""
         bs = self.block_size
-        window, other_windows = self._windows()
+        slots: list[int] = []
+        for s in decodes:
+            p, table = s.start_pos, table_of(s)
+            if len(table) * bs <= p:
+                raise ValueError(f"request {s.request.request_id}: block table too short for position {p}")
+            if table[p // bs] < 0:
+                raise ValueError(f"request {s.request.request_id}: no block (-1) for new position {p}")
+            slots.append(table[p // bs] * bs + p % bs)
+        spans: list[PrefillSpan] = []
+        q0 = len(decodes)
+        for s in prefills:
+            start, n, table = s.start_pos, s.num_new_tokens, table_of(s)
+            end = start + n
+            if len(table) * bs < end:
+                raise ValueError(f"request {s.request.request_id}: block table too short for {end} tokens")
+            if min(table[start // bs:(end - 1) // bs + 1]) < 0:
+                raise ValueError(f"request {s.request.request_id}: no block (-1) for new positions {start}..{end - 1}")
+            slots.extend(self._slots(table, start, end))
+            # -1 marks a block freed because it lies wholly outside the window: always masked, so
+            # it may point at block 0.
+            bt = (torch.tensor(table[: (end + bs - 1) // bs], dtype=torch.long).clamp_min_(0)
+                  if start > 0 else None)
+            span = PrefillSpan(q0, q0 + n, start, bt, self._prefill_mask(start, end, window))
+            for w in other_windows:
+                span.window_masks[w] = self._prefill_mask(start, end, w)
+            spans.append(span)
+            q0 += n
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=spans,
+                                 sliding_window=window)
+        meta.num_decodes = len(decodes)
+        for g0, g1 in _decode_groups([s.start_pos + 1 for s in decodes]):
+            meta.decode_groups.append(self._decode_group(decodes[g0:g1], g0, table_of, window, other_windows))
+        return meta
+
+    def _decode_group(self, decodes: list[ScheduledRequest], row_start: int,
+                      table_of: Callable[[ScheduledRequest], list[int]], window: int | None,
+                      other_windows: list[int | None]) -> DecodeGroup:
+        bs = self.block_size
         ctx_lens = [s.start_pos + 1 for s in decodes]
         max_ctx = max(ctx_lens)
         nb = (max_ctx + bs - 1) // bs
         # -1 entries (blocks freed outside the window) -> block 0: those keys are always masked.
         tables = torch.tensor(
-            [s.block_table[:nb] + [0] * (nb - min(nb, len(s.block_table))) for s in decodes],
+            [table_of(s)[:nb] + [0] * (nb - min(nb, len(table_of(s)))) for s in decodes],
             dtype=torch.long).clamp_min_(0)
         group = DecodeGroup(row_start, row_start + len(decodes), tables)
         equal = all(c == max_ctx for c in ctx_lens)
@@ -358,7 +419,6 @@ class ModelRunner:
             group.window_masks[w] = mask_for(w)
         return group
 
-    # ------------------------------------------------------------------ StreamingLLM
     def _check_streaming(self, streaming: tuple[int, int]) -> tuple[int, int]:
         try:
             sinks, window = streaming
@@ -473,7 +533,7 @@ class ModelRunner:
             ValueError: the block table is too short.
         """
         s = ScheduledRequest(scheduled.request, scheduled.start_pos, scheduled.num_new_tokens,
-                             scheduled.block_table, False)
+                             scheduled.block_table, False, scheduled.block_tables)
         batch = self._prepare(SchedulerOutput(scheduled=[s]))
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         return self.model.compute_logits(hidden)

@@ -69,6 +69,11 @@ class KVCacheManager:
         sink_tokens: StreamingLLM attention sinks (Xiao et al. 2024): the blocks holding the
             first ``sink_tokens`` tokens are kept whatever the window (0 = plain window).
         num_host_blocks: blocks in the host swap pool (0 = swap preemption unavailable).
+        pool, host_pool: existing pools to allocate from instead of new ones (``num_blocks`` and
+            ``num_host_blocks`` are then ignored): the KV cache groups of
+            :class:`~kvfleet.engine.core.hybrid_kv_cache_manager.HybridKVCacheManager` share one.
+        cache_key_tag: bytes appended to every block hash this manager puts into or looks up in
+            the pool's hash index, so that groups sharing a pool never hit each other's blocks.
         prefix_cache: ``hash`` (chained block hashes, full blocks, vLLM) or ``radix``
             (token-granular radix tree, SGLang's RadixAttention: a match may end inside a
             block, whose cached part is reused by copying the block; the tree keeps its own
@@ -92,7 +97,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  sliding_window: int | None = None, num_host_blocks: int = 0, prefix_cache: str = "hash",
-                 sink_tokens: int = 0) -> None:
+                 sink_tokens: int = 0, *, pool: BlockPool | None = None, host_pool: BlockPool | None = None,
+                 cache_key_tag: bytes = b"") -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -105,8 +111,13 @@ class KVCacheManager:
             raise ValueError(f"prefix_cache must be 'hash' or 'radix', got {prefix_cache!r}")
         if prefix_cache == "radix" and enable_prefix_caching and sliding_window is not None:
             raise ValueError("the radix prefix cache does not support sliding-window models; use --prefix-cache hash")
-        self.pool = BlockPool(num_blocks)
-        self.host_pool: BlockPool | None = BlockPool(num_host_blocks) if num_host_blocks else None
+        if pool is not None and (prefix_cache == "radix" and enable_prefix_caching):
+            raise ValueError("a shared block pool (KV cache groups) needs --prefix-cache hash")
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
+        self.host_pool: BlockPool | None = host_pool
+        if host_pool is None and num_host_blocks:
+            self.host_pool = BlockPool(num_host_blocks)
+        self._tag = cache_key_tag
         self.radix: RadixIndex | None = None
         if enable_prefix_caching and prefix_cache == "radix":
             self.radix = RadixIndex(self.pool, block_size)
@@ -185,7 +196,7 @@ class KVCacheManager:
         hashes = self._extend_hashes(request, max_blocks)
         blocks: list[int] = []
         for k in range(max_blocks):
-            b = self.pool.get_cached_block(hashes[k])
+            b = self.pool.get_cached_block(hashes[k] + self._tag)
             if b is None:
                 break
             blocks.append(b)
@@ -211,7 +222,7 @@ class KVCacheManager:
         for k in range(done, full):
             b = table[k]
             if b != NULL_BLOCK:
-                self.pool.cache_block(b, hashes[k])
+                self.pool.cache_block(b, hashes[k] + self._tag)
         self._num_registered[rid] = full
 
     def reset_prefix_cache(self) -> int:
@@ -261,6 +272,38 @@ class KVCacheManager:
         self._num_nulled[rid] = k
         if dead:
             self.pool.free(reversed(dead))
+
+    def free_outside_window(self, request: Request, num_computed_tokens: int) -> None:
+        """Free the request's leading blocks that no query at position >= ``num_computed_tokens``
+        can see (sliding window; attention-sink blocks stay). A no-op without a window or a table."""
+        table = self._tables.get(request.request_id)
+        if table:
+            self._free_outside_window(request, table, num_computed_tokens)
+
+    def num_blocks_needed(self, request: Request, num_new_tokens: int,
+                          computed_blocks: Sequence[int] | None = None, num_cached_tokens: int | None = None) -> int:
+        """Free pool blocks that :meth:`allocate_slots` with these arguments would take: new
+        blocks, copy-on-write copies and prefix-cache hits revived from the free queue. Blocks
+        the sliding window would free are not subtracted (call :meth:`free_outside_window`
+        first). Changes nothing; hash index only (the radix index may evict instead).
+
+        Raises:
+            ValueError: with the radix prefix index.
+        """
+        if self.radix is not None:
+            raise ValueError("num_blocks_needed is not available with the radix prefix index")
+        bs = self.block_size
+        pool = self.pool
+        table = self._tables.get(request.request_id, [])
+        computed = list(computed_blocks or ())
+        if num_cached_tokens is None:
+            num_cached_tokens = len(computed) * bs
+        num_computed = request.num_computed_tokens + num_cached_tokens
+        end_block = self.num_blocks_for(num_computed + num_new_tokens)
+        cow = sum(1 for k in range(num_computed // bs, min(len(table), end_block))
+                  if table[k] != NULL_BLOCK and pool.ref_count(table[k]) > 1)
+        revive = sum(1 for b in computed if pool.ref_count(b) == 0)
+        return max(0, end_block - len(table) - len(computed)) + cow + revive
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: Sequence[int] | None = None, num_cached_tokens: int | None = None, *,
@@ -518,6 +561,11 @@ class KVCacheManager:
         request.swapped_out = False
 
     # ------------------------------------------------------------------ queries
+
+    def get_block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block table of every KV cache group: ``[get_block_table(request_id)]``
+        here (one group); see :class:`~kvfleet.engine.core.hybrid_kv_cache_manager.HybridKVCacheManager`."""
+        return [self.get_block_table(request_id)]
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's live block table (block ids in token order, :data:`NULL_BLOCK` for

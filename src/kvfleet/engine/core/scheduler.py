@@ -16,6 +16,7 @@ import time
 from collections import deque
 
 from kvfleet.config import SchedulerConfig
+from kvfleet.engine.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvfleet.engine.request import Request, RequestStatus
@@ -68,7 +69,8 @@ class Scheduler:
         ValueError: ``max_model_len < 1``.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager | HybridKVCacheManager,
+                 max_model_len: int) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = config
@@ -211,13 +213,15 @@ class Scheduler:
     def _record(self, request: Request, n: int, out: SchedulerOutput, now: float) -> None:
         start = request.num_computed_tokens
         self._step_start[request.request_id] = start
+        tables = self.kv_cache_manager.get_block_tables(request.request_id)
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
                 start_pos=start,
                 num_new_tokens=n,
-                block_table=self.kv_cache_manager.get_block_table(request.request_id),
+                block_table=tables[0],
                 needs_sample=(start + n == request.num_tokens),
+                block_tables=tables if len(tables) > 1 else [],
             )
         )
         request.num_computed_tokens = start + n

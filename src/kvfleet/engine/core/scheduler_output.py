@@ -18,6 +18,9 @@ class ScheduledRequest:
         block_table: the request's block ids (covers at least ``start_pos + num_new_tokens`` slots).
         needs_sample: True when this step computes the last known token, so a new token is
             sampled from its logits (False for a prefill chunk that stops short of the end).
+        block_tables: the block table of every KV cache group when the model has several
+            (:mod:`kvfleet.engine.core.hybrid_kv_cache_manager`; ``block_table`` is then the first
+            group's); empty for a single group.
     """
 
     request: Request
@@ -25,6 +28,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_table: list[int]
     needs_sample: bool
+    block_tables: list[list[int]] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

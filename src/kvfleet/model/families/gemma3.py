@@ -177,16 +177,17 @@ class Gemma3ForCausalLM(nn.Module):
             positions: int64 ``[T]`` absolute positions.
             kv_caches: per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, kv_heads, head_dim]``.
             meta: attention metadata of the step, with masks for every window in
-                :meth:`ModelConfig.layer_windows`.
+                :meth:`ModelConfig.layer_windows`, or one metadata per KV cache group
+                (``meta.for_layer(i)`` gives layer ``i``'s).
 
         Returns:
             ``[T, hidden]`` hidden states *before* the final norm (see :meth:`compute_logits`).
         """
         x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale
         cos_sin = {theta: rot.cos_sin(positions) for theta, rot in self.rotaries.items()}
-        for layer, kv, theta in zip(self.layers, kv_caches, self.layer_theta, strict=True):
+        for i, (layer, kv, theta) in enumerate(zip(self.layers, kv_caches, self.layer_theta, strict=True)):
             cos, sin = cos_sin[theta]
-            x = layer(x, cos, sin, kv, meta)
+            x = layer(x, cos, sin, kv, meta.for_layer(i))
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

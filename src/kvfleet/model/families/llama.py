@@ -116,8 +116,8 @@ class LlamaForCausalLM(nn.Module):
         """
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv, meta)
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = layer(x, cos, sin, kv, meta.for_layer(i))
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

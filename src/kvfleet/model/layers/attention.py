@@ -122,6 +122,10 @@ class AttentionMetadata:
         streaming: StreamingLLM attention-sink metadata (:mod:`kvfleet.model.layers.streaming`);
             when set, :func:`paged_attention` attends through it and the other fields but
             ``slot_mapping`` are unused.
+        kv_groups: with KV cache groups (Gemma 3's local / global layers,
+            :mod:`kvfleet.engine.core.hybrid_kv_cache_manager`), one metadata per group, built
+            over that group's block tables (this object is group 0's); empty otherwise.
+        layer_groups: each layer's group index into ``kv_groups``.
     """
 
     slot_mapping: torch.Tensor
@@ -130,6 +134,12 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: int | None = None
     streaming: StreamingMetadata | None = None
+    kv_groups: list[AttentionMetadata] = field(default_factory=list)
+    layer_groups: list[int] = field(default_factory=list)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata layer ``layer`` attends with: its KV cache group's, or this one."""
+        return self.kv_groups[self.layer_groups[layer]] if self.kv_groups else self
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: LayerKV, v_cache: LayerKV,
