@@ -57,6 +57,8 @@ non_negative_int = _bounded(int, "an integer >= 0", 0)
 non_negative_float = _bounded(float, "a finite number >= 0", 0)
 port_number = _bounded(int, "a port number in [0, 65535] (0 = any free port)", 0, 65535)
 any_int = _bounded(int, "an integer")
+positive_float = _bounded(float, "a finite number > 0", 1e-300)
+HelpFormatter = _HelpFormatter
 
 
 def memory_size(text: str) -> int:
@@ -230,9 +232,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     return add(sub)
 
 
+def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``kvfleet router`` (see :mod:`kvfleet.router.cli`)."""
+    from kvfleet.router.cli import add_router_parser as add
+
+    return add(sub)
+
+
+def add_sim_engine_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``kvfleet sim-engine`` (simulated engines for router tests; see :mod:`kvfleet.sim.cli`)."""
+    from kvfleet.sim.cli import add_sim_engine_parser as add
+
+    return add(sub)
+
+
 #: subcommand registrars: each adds its parser (with ``func`` set) to the subparsers.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_serve_parser,
-                                                                                        add_bench_parser]
+                                                                                        add_bench_parser,
+                                                                                        add_router_parser,
+                                                                                        add_sim_engine_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -548,14 +548,7 @@ class LLMEngine:
         req = choice.request
         token = res.token_id
         req.append_output_token(token)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            stats.time_to_first_tokens.append(now - req.arrival_time)
-            stats.num_prompt_tokens += req.num_prompt_tokens
-        elif req.last_token_time is not None:
-            stats.inter_token_latencies.append(now - req.last_token_time)
-        req.last_token_time = now
-        stats.num_generation_tokens += 1
+        stats.record_token(req, now)
         if choice.logprobs is not None and res.logprob is not None:
             choice.logprobs.append(res.logprob)
             choice.cumulative_logprob = (choice.cumulative_logprob or 0.0) + res.logprob.logprob

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvfleet.engine.request import Request
 
 
 @dataclass
@@ -57,3 +61,16 @@ class StepStats:
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     num_cow_copies: int = 0
+
+    def record_token(self, request: Request, now: float) -> None:
+        """Account one token just appended to ``request`` at ``now`` (``time.monotonic()``
+        seconds): its TTFT and prompt tokens when it is the first, else its inter-token latency;
+        updates the request's first / last token times."""
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.time_to_first_tokens.append(now - request.arrival_time)
+            self.num_prompt_tokens += request.num_prompt_tokens
+        elif request.last_token_time is not None:
+            self.inter_token_latencies.append(now - request.last_token_time)
+        request.last_token_time = now
+        self.num_generation_tokens += 1

@@ -181,7 +181,7 @@ class _RequestGuard:
             self.finished = True
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """StreamingResponse that always closes its generator and runs ``on_close``.
 
     Covers the case where sending fails before the generator even started (then its own
@@ -205,7 +205,8 @@ class _SSEResponse(StreamingResponse):
                 self._on_close()
 
 
-def _sse(payload: str) -> str:
+def sse(payload: str) -> str:
+    """One server-sent event: ``data: PAYLOAD`` and a blank line."""
     return f"data: {payload}\n\n"
 
 
@@ -220,6 +221,45 @@ def _error_payload(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- app factory
+
+
+def install_error_handlers(app: FastAPI, what: str = "server") -> None:
+    """Answer every error with an OpenAI-style body: 400 for validation errors and
+    :class:`InvalidRequestError`, 503 with ``Retry-After`` for a full queue (``"{what} is
+    overloaded"``), 500 for a dead engine or an unexpected exception, and the status of any
+    other HTTP exception (404 / 405 name the method and path). Shared by the server and the
+    simulated engine."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(InvalidRequestError)
+    async def _on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(400, exc.message, "invalid_request_error", exc.param, getattr(exc, "code", None))
+
+    @app.exception_handler(QueueFullError)
+    async def _on_queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
+        return error_response(503, f"{what} is overloaded: {exc}", "service_unavailable_error", None,
+                              "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(500, f"engine is dead: {exc}", "internal_server_error", None, "engine_dead")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = f"{message}: {req.method} {req.url.path}"
+        return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
 
 
 def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names: list[str] | None = None,
@@ -273,38 +313,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                 f"The model `{name}` does not exist; this server serves {', '.join(repr(n) for n in names)}",
                 param="model")
 
-    # ------------------------------------------------------------------ error handlers
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(400, message, "invalid_request_error", param)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _on_invalid(_: Request, exc: InvalidRequestError) -> JSONResponse:
-        return error_response(400, exc.message, "invalid_request_error", exc.param, getattr(exc, "code", None))
-
-    @app.exception_handler(QueueFullError)
-    async def _on_queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
-        return error_response(503, f"server is overloaded: {exc}", "service_unavailable_error", None,
-                              "queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-
-    @app.exception_handler(EngineDeadError)
-    async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(500, f"engine is dead: {exc}", "internal_server_error", None, "engine_dead")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
-        message = str(exc.detail)
-        if exc.status_code in (404, 405):
-            message = f"{message}: {req.method} {req.url.path}"
-        return error_response(exc.status_code, message, type_, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unexpected error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+    install_error_handlers(app)
 
     # ------------------------------------------------------------------ conversions
 
@@ -390,7 +399,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         want_lp = params.logprobs is not None
         if body.stream:
             guard = _RequestGuard(stream, raw)
-            return _SSEResponse(chat_stream(body, request_id, stream, guard, params.n, want_lp, k), guard.abort)
+            return SSEResponse(chat_stream(body, request_id, stream, guard, params.n, want_lp, k), guard.abort)
 
         texts, lps, finish, use = await collect(stream, raw, params.n, "")
         choices = [
@@ -429,13 +438,13 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                 yield chunk([], usage(n_prompt, n_gen, n_cached))
         except (KVFleetError, ValueError, RuntimeError) as e:
             logger.exception("stream %s failed", request_id)
-            yield _sse(_error_payload(e))
-        yield _sse("[DONE]")
+            yield sse(_error_payload(e))
+        yield sse("[DONE]")
 
     def chat_stream(body: ChatCompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,
                     n: int, want_lp: bool, k: int) -> AsyncIterator[str]:
         def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(ChatCompletionStreamResponse(id=request_id, model=model_name, choices=choices,
+            return sse(ChatCompletionStreamResponse(id=request_id, model=model_name, choices=choices,
                                                      usage=usage).model_dump_json())
 
         def make_choice(c: Any) -> ChatCompletionStreamChoice:
@@ -464,7 +473,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             echo = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
         if body.stream:
             guard = _RequestGuard(stream, raw)
-            return _SSEResponse(completion_stream(body, request_id, stream, guard, params.n, want_lp, k, echo),
+            return SSEResponse(completion_stream(body, request_id, stream, guard, params.n, want_lp, k, echo),
                                 guard.abort)
 
         texts, lps, finish, use = await collect(stream, raw, params.n, echo)
@@ -483,7 +492,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         offsets = dict.fromkeys(range(n), len(echo))
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(CompletionStreamResponse(id=request_id, model=model_name, choices=choices,
+            return sse(CompletionStreamResponse(id=request_id, model=model_name, choices=choices,
                                                  usage=usage).model_dump_json())
 
         def make_choice(c: Any) -> CompletionChoice:
