@@ -18,52 +18,70 @@ import argparse
 import asyncio
 import json
 import math
-import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from kvfleet.bench.compare import free_port, scrape_prefix_cache_counters, stop_engine
 from kvfleet.bench.loadgen import EndpointConfig, wait_until_ready
 from kvfleet.bench.serve import DatasetSpec, ServeBenchConfig, load_tokenizer, run_serving_benchmark
-from kvfleet.router.app import RouterConfig, create_router_app
-from kvfleet.router.discovery import StaticDiscovery
-from kvfleet.router.filters import LoadBoundFilter
-from kvfleet.router.picker import EndpointPicker
-from kvfleet.router.scorers import PROFILES, build_scorer
+from kvfleet.router.scorers import PROFILES
 
 MODEL = "smollm2-135m-instruct"
 
 
-class RouterThread:
-    """A router app served by uvicorn on a background thread."""
+def start_process(args: list[str], log: Path) -> subprocess.Popen:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "kvfleet", *args], stdout=open(log, "wb"),
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
-    def __init__(self, urls: list[str], policy: str, scrape_interval_s: float, load_bound: float) -> None:
-        filters = [LoadBoundFilter(load_bound)] if load_bound and policy != "round-robin" else []
-        picker = EndpointPicker([(build_scorer(n), w) for n, w in PROFILES[policy].items()], rng=random.Random(0),
-                                filters=filters)
-        self.app = create_router_app(StaticDiscovery(urls), picker, RouterConfig(policy=policy),
-                                     {"scrape_interval_s": scrape_interval_s, "health_interval_s": 2.0})
+
+class Router:
+    """`kvfleet router` as a subprocess (its own CPU time, like a real deployment)."""
+
+    def __init__(self, urls: list[str], policy: str, args: argparse.Namespace, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        bound = args.load_bound_factor if policy != "round-robin" else 0
+        self.proc = start_process(["router", "--endpoints", ",".join(urls), "--policy", policy, "--port",
+                                   str(self.port), "--scrape-interval", str(args.scrape_interval),
+                                   "--load-bound-factor", str(bound), "--seed", "0", "--log-level", "warning"], log)
 
-    def __enter__(self) -> RouterThread:
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
+    def __enter__(self) -> Router:
+        asyncio.run(wait_until_ready(self.url, timeout_s=120, proc=self.proc))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        stop_engine(self.proc)
+
+
+class SimEngines:
+    """`kvfleet sim-engine --num-engines N` as one subprocess on ports the OS picks."""
+
+    def __init__(self, n: int, time_scale: float, log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.n = n
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfleet", "sim-engine", "--port", "0", "--num-engines", str(n), "--model", MODEL,
+             "--time-scale", str(time_scale), "--log-level", "warning", "--print-urls"],
+            stdout=subprocess.PIPE, stderr=open(log, "wb"), stdin=subprocess.DEVNULL, start_new_session=True,
+            text=True)
+        self.urls: list[str] = []
+
+    def __enter__(self) -> SimEngines:
+        assert self.proc.stdout is not None
+        while len(self.urls) < self.n:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"kvfleet sim-engine exited with status {self.proc.wait()}")
+            self.urls.append(line.strip())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        stop_engine(self.proc)
 
 
 class RealReplicas:
@@ -73,11 +91,9 @@ class RealReplicas:
         self.ports = [free_port() for _ in range(n)]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.procs = [subprocess.Popen(
-            [sys.executable, "-m", "kvfleet", "serve", MODEL, "--host", "127.0.0.1", "--port", str(p),
-             "--num-threads", "1", "--log-level", "warning", *extra],
-            stdout=open(log_dir / f"replica{i}.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-            for i, p in enumerate(self.ports)]
+        self.procs = [start_process(["serve", MODEL, "--host", "127.0.0.1", "--port", str(p), "--num-threads", "1",
+                                     "--log-level", "warning", *extra], log_dir / f"replica{i}.log")
+                      for i, p in enumerate(self.ports)]
 
     def __enter__(self) -> RealReplicas:
         for u, p in zip(self.urls, self.procs, strict=True):
@@ -112,7 +128,7 @@ def router_requests(url: str) -> dict[str, float]:
 def run_policy(policy: str, urls: list[str], args: argparse.Namespace, tokenizer: Any, seed: int,
                model: str) -> dict[str, Any]:
     before = cache_counters(urls)
-    with RouterThread(urls, policy, args.scrape_interval, args.load_bound_factor) as router:
+    with Router(urls, policy, args, Path(args.out).with_suffix(".logs") / f"router-{policy}.log") as router:
         cfg = ServeBenchConfig(
             endpoint=EndpointConfig(base_url=router.url, model=model),
             dataset=DatasetSpec(name="shared-prefix", tenants=args.tenants, system_prompt_len=args.system_prompt_len,
@@ -145,7 +161,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--request-rate", type=float, default=20.0)
     ap.add_argument("--scrape-interval", type=float, default=0.25)
-    ap.add_argument("--load-bound-factor", type=float, default=2.0,
+    ap.add_argument("--load-bound-factor", type=float, default=1.5,
                     help="bounded-load filter of the non-round-robin policies (0 = off), as `kvfleet router`")
     ap.add_argument("--time-scale", type=float, default=1.0, help="simulated engines: factor on modelled time")
     ap.add_argument("--engine-args", default="--max-model-len 2048",
@@ -160,11 +176,9 @@ def main() -> int:
     results = []
     t0 = time.time()
     if args.engines == "sim":
-        from kvfleet.sim.engine import SimEngineConfig
-        from kvfleet.sim.fleet import SimFleetThread
-
-        for i, policy in enumerate(policies):
-            with SimFleetThread(args.num_engines, SimEngineConfig(model_name=MODEL, time_scale=args.time_scale)) as f:
+        for i, policy in enumerate(policies):  # fresh engines (empty caches) per policy
+            log = Path(args.out).with_suffix(".logs") / f"sim-{policy}.log"
+            with SimEngines(args.num_engines, args.time_scale, log) as f:
                 results.append(run_policy(policy, f.urls, args, tokenizer, seed=1000 + i, model=MODEL))
     else:
         with RealReplicas(args.num_engines, Path(args.out).with_suffix(".logs"), args.engine_args.split()) as r:

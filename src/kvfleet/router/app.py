@@ -211,11 +211,19 @@ class Router:
         before its first byte (then nothing was sent to the client and ``ep`` is still counted
         in flight)."""
         timeout = httpx.Timeout(10.0, read=self.config.request_timeout_s)
-        try:
-            req = self.client.build_request("POST", ep.url + path, content=raw, headers=headers, timeout=timeout)
-            resp = await self.client.send(req, stream=True)
-        except httpx.HTTPError as e:
-            return f"{type(e).__name__}: {e}"
+        resp = None
+        for attempt in range(2):
+            try:
+                req = self.client.build_request("POST", ep.url + path, content=raw, headers=headers, timeout=timeout)
+                resp = await self.client.send(req, stream=True)
+                break
+            except (httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError) as e:
+                # a kept-alive connection the server closed meanwhile: one more try on a new one
+                if attempt:
+                    return f"{type(e).__name__}: {e}"
+            except httpx.HTTPError as e:
+                return f"{type(e).__name__}: {e}"
+        assert resp is not None
         if resp.status_code >= 500:
             text = (await resp.aread())[:300].decode(errors="replace")
             await resp.aclose()
@@ -292,7 +300,9 @@ def create_router_app(discovery: Discovery, picker: EndpointPicker, config: Rout
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        # Idle connections are dropped after 2 s, before servers drop them (uvicorn: 5 s), so a
+        # request is not sent on a connection the server is closing.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0)
         async with httpx.AsyncClient(limits=limits) as client:
             pool = EndpointPool(discovery, client, RouterMetrics(), **(pool_options or {}))
             router = Router(pool, picker, config, client)

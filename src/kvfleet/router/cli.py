@@ -29,7 +29,7 @@ config file (--config, YAML; flags given on the command line win):
   scorers: {prefix: 3, queue: 2, kv-usage: 2}
   endpoints: [http://127.0.0.1:8001, http://127.0.0.1:8002]
   session_header: x-session-id
-  load_bound_factor: 2.0
+  load_bound_factor: 1.5
 """
 
 
@@ -79,7 +79,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--load-bound-factor", type=non_negative_float, default=None,
                    help="bounded-load filter: an endpoint stays a candidate while its in-flight requests stay "
                         "within this multiple of the mean (consistent hashing with bounded loads); 0 = off; "
-                        "not applied with --policy round-robin (default: 2)")
+                        "not applied with --policy round-robin (default: 1.5)")
     g.add_argument("--seed", type=int, default=None, help="seed of the random tie-break")
     g = p.add_argument_group("resilience and load")
     g.add_argument("--max-retries", type=non_negative_int, default=2,
@@ -186,7 +186,7 @@ def build_router(args: argparse.Namespace):
                 tokenizer=tokenizer)
     factor = args.load_bound_factor
     if factor is None:
-        factor = float(cfg.get("load_bound_factor", 2.0))
+        factor = float(cfg.get("load_bound_factor", 1.5))
     if factor and factor <= 1:
         raise ValueError(f"--load-bound-factor must be 0 (off) or > 1, got {factor:g}")
     filters = [LoadBoundFilter(factor)] if factor and policy != "round-robin" else []
