@@ -246,11 +246,19 @@ def add_sim_engine_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
     return add(sub)
 
 
+def add_render_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``kvfleet render`` (Kubernetes manifests of InferenceServices; see :mod:`kvfleet.control.cli`)."""
+    from kvfleet.control.cli import add_render_parser as add
+
+    return add(sub)
+
+
 #: subcommand registrars: each adds its parser (with ``func`` set) to the subparsers.
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_serve_parser,
                                                                                         add_bench_parser,
                                                                                         add_router_parser,
-                                                                                        add_sim_engine_parser]
+                                                                                        add_sim_engine_parser,
+                                                                                        add_render_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
