@@ -47,8 +47,11 @@ def test_tables_and_plot_command(tmp_path, capsys):
     table = format_compare_table({"kvfleet": a, "peer": b})
     peer_rows = [line for line in table.splitlines() if line.startswith("peer")]
     assert len(peer_rows) == 3
-    # the peer is 2x slower everywhere: throughput ratio 0.5, TTFT ratio 2.0
-    assert peer_rows[0].split()[-3:] == ["0.5", "2.0", "2.0"]
+    # the peer is 2x slower everywhere: throughput ratio 0.5, TTFT ratio 2.0; no prefix-cache counters: "-"
+    assert peer_rows[0].split()[-4:] == ["0.5", "2.0", "2.0", "-"]
+    b["prefix_cache"] = {"queried_tokens": 400.0, "hit_tokens": 100.0, "hit_rate": 0.25}
+    table = format_compare_table({"kvfleet": a, "peer": b})
+    assert [ln for ln in table.splitlines() if ln.startswith("peer")][0].split()[-1] == "25.0"
     path = write_json({**a, "command": "kvfleet bench serve ..."}, tmp_path / "r.json")
     assert main(["bench", "plot", str(path), "--plot-dir", str(tmp_path / "p")]) == 0
     assert len(list((tmp_path / "p").glob("*.png"))) == 3
