@@ -185,3 +185,30 @@ def test_kubernetes_discovery_against_a_real_api_server() -> None:
     except Exception as e:  # configured but unreachable
         pytest.skip(f"Kubernetes API server not reachable: {type(e).__name__}: {e}")
     assert urls == []  # nothing carries that label
+
+
+def test_hold_when_empty_serves_the_first_request_once_an_endpoint_appears(fleet, tmp_path) -> None:
+    """Scale from zero: with no endpoint at all the request waits in the router's queue, and is
+    served when an endpoint appears (here: written into the watched endpoints file)."""
+    import time
+
+    f = tmp_path / "endpoints.yaml"
+    f.write_text("[]\n")
+    with InProcessRouter(FileDiscovery(f), "round-robin", config={"hold_when_empty_s": 20.0},
+                         pool={"discovery_interval_s": 0.1}) as r:
+        model = oai(fleet.urls[0]).models.list().data[0].id
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(httpx.post(
+            r.url + "/v1/completions", json={"model": model, "prompt": "wake up", "max_tokens": 2}, timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while prom_samples(r.url, "kvfleet_router_queued_requests").get((), 0) < 1:
+            assert time.monotonic() < deadline, "the request was not held"
+            time.sleep(0.05)
+        assert t.is_alive()
+        f.write_text(f"- {fleet.urls[0]}\n")
+        t.join(30)
+        assert out and out[0].status_code == 200
+    with InProcessRouter([dead_url()], "round-robin", config={"hold_when_empty_s": 0.3}) as r:
+        resp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+        assert resp.status_code == 503  # held 0.3 s, then the usual answer

@@ -55,6 +55,10 @@ class RouterConfig:
         request_timeout_s: read timeout towards the engine (seconds between bytes).
         retry_after_s: the ``Retry-After`` of a 503 without healthy endpoints.
         session_header: header forwarded for session affinity (case-insensitive).
+        hold_when_empty_s: with no healthy endpoint at all, hold a new request this long (in the
+            bounded queue, counted in ``kvfleet_router_queued_requests``) for one to appear,
+            instead of answering 503 at once: scale from zero, where an autoscaler starts a
+            replica when requests queue (0 = off).
     """
 
     policy: str = "default"
@@ -66,6 +70,7 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     retry_after_s: int = 1
+    hold_when_empty_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -116,20 +121,24 @@ class Router:
         """Pick an endpoint for ``ctx``, waiting in the bounded queue while all are saturated.
 
         Raises:
-            _Rejected: no healthy endpoint (503), or the queue is full or timed out (429).
+            _Rejected: no healthy endpoint (503; with ``hold_when_empty_s`` only after holding
+                that long: scale from zero), or the queue is full or timed out (429).
         """
-        deadline = time.monotonic() + self.config.queue_timeout_s
+        start = time.monotonic()
+        deadline = start + self.config.queue_timeout_s
+        hold_until = start + self.config.hold_when_empty_s
         queued = False
         try:
             while True:
                 healthy = [e for e in self.pool.healthy() if e.url not in exclude]
-                if not healthy:
+                holding = not healthy and not exclude and time.monotonic() < hold_until
+                if not healthy and not holding:
                     self.metrics.rejected.labels("no_endpoint").inc()
                     raise _Rejected(error_response(
                         503, "no healthy engine endpoint is available; retry later", "service_unavailable_error",
                         "no_healthy_endpoint", headers={"Retry-After": str(self.config.retry_after_s)}))
                 candidates = [e for e in healthy if not self.saturated(e)]
-                if candidates:
+                if candidates:  # (none while holding for an endpoint to appear)
                     decision = self.picker.pick(ctx, candidates)
                     self.metrics.decisions.labels(self.config.policy).inc()
                     return decision.endpoint

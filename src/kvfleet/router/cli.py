@@ -92,6 +92,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="seconds a queued request waits (then 429)")
     g.add_argument("--request-timeout", type=positive_float, default=600.0,
                    help="seconds to wait for each response byte from an engine")
+    g.add_argument("--hold-when-empty", type=non_negative_float, default=0.0, metavar="SECONDS",
+                   help="with no healthy endpoint, hold requests this long for one to appear instead of an "
+                        "immediate 503 (scale from zero; 0 = off)")
     g.add_argument("--health-interval", type=positive_float, default=2.0, help="seconds between /health checks")
     g.add_argument("--scrape-interval", type=positive_float, default=0.25, help="seconds between /metrics scrapes")
     g = p.add_argument_group("server")
@@ -196,7 +199,7 @@ def build_router(args: argparse.Namespace):
     config = RouterConfig(policy=policy, max_retries=args.max_retries,
                           max_inflight_per_endpoint=args.max_inflight_per_endpoint,
                           max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
-                          request_timeout_s=args.request_timeout)
+                          request_timeout_s=args.request_timeout, hold_when_empty_s=args.hold_when_empty)
     app = create_router_app(discovery, picker, config, {"health_interval_s": args.health_interval,
                                                         "scrape_interval_s": args.scrape_interval})
     return app, policy, weights
