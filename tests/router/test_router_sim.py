@@ -151,6 +151,14 @@ def test_bad_requests_get_openai_errors(fleet) -> None:
             assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
         resp = httpx.post(r.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -3})
         assert resp.status_code == 400 and "error" in resp.json()  # the engine's own 400, passed through
+        model = oai(fleet.urls[0]).models.list().data[0].id
+        # header bytes that are not ASCII are passed on as they came (no 500 in the router)
+        resp = httpx.post(r.url + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
+                          headers={"Authorization": "Bearer ключ".encode(), "x-session-id": "ü".encode()})
+        assert resp.status_code == 200
+        for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+            resp = httpx.request(method, r.url + path)
+            assert resp.status_code == status and resp.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_cli_errors_are_one_line(capsys, tmp_path) -> None:

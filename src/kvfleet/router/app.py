@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfleet.router.discovery import Discovery
 from kvfleet.router.endpoint import Endpoint
@@ -183,7 +184,8 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", "invalid_request_error")
         ctx = RoutingContext(path, body, headers)
-        fwd = {k: v for k, v in headers.items() if k in FORWARD_HEADERS}
+        # header values as the client sent their bytes (Starlette decodes them as latin-1)
+        fwd = {k: v.encode("latin-1", "replace") for k, v in headers.items() if k in FORWARD_HEADERS}
         stream = body.get("stream") is True
         tried: set[str] = set()
         last_error = ""
@@ -214,7 +216,7 @@ class Router:
         return error_response(502, f"every engine endpoint tried failed; last error: {last_error}",
                               "bad_gateway_error", "upstream_failed")
 
-    async def _send(self, ep: Endpoint, path: str, raw: bytes, headers: dict[str, str], stream: bool,
+    async def _send(self, ep: Endpoint, path: str, raw: bytes, headers: dict[str, bytes], stream: bool,
                     t0: float) -> Response | str:
         """Send to ``ep``. Returns the response for the client, or a string saying why it failed
         before its first byte (then nothing was sent to the client and ``ep`` is still counted
@@ -326,6 +328,16 @@ def create_router_app(discovery: Discovery, picker: EndpointPicker, config: Rout
                 await pool.stop()
 
     app = FastAPI(title="kvfleet router", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "invalid_request_error" if exc.status_code < 500 else "internal_server_error"
+        return error_response(exc.status_code, f"{exc.detail}: {req.method} {req.url.path}", type_)
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected router error")
+        return error_response(500, f"router error: {type(exc).__name__}: {exc}", "internal_server_error")
 
     def _headers(request: Request) -> dict[str, str]:
         return {k.lower(): v for k, v in request.headers.items()}
