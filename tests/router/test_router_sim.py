@@ -220,3 +220,21 @@ def test_hold_when_empty_serves_the_first_request_once_an_endpoint_appears(fleet
     with InProcessRouter([dead_url()], "round-robin", config={"hold_when_empty_s": 0.3}) as r:
         resp = httpx.post(r.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
         assert resp.status_code == 503  # held 0.3 s, then the usual answer
+
+
+def test_client_disconnect_mid_stream_aborts_at_the_engine() -> None:
+    import time
+
+    with SimFleetThread(1, SLOW) as one, InProcessRouter(one.urls, "round-robin") as r:
+        model = oai(one.urls[0]).models.list().data[0].id
+        with httpx.stream("POST", r.url + "/v1/completions",
+                          json={"model": model, "prompt": "hi", "max_tokens": 200, "stream": True}) as resp:
+            chunks = resp.iter_raw()
+            next(chunks)
+            next(chunks)  # then the client goes away
+        deadline = time.monotonic() + 10
+        while prom_samples(one.urls[0], "vllm:request_success").get(("abort", model), 0) < 1:
+            assert time.monotonic() < deadline, "the engine did not see the abort"
+            time.sleep(0.05)
+        assert r.router.pool.endpoints[one.urls[0]].in_flight == 0
+        assert sum(prom_samples(one.urls[0], "vllm:num_requests_running").values()) == 0
