@@ -8,6 +8,7 @@ each adds its own parser and handler, so more (``bench``, ``router``, ...) slot 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -225,40 +226,36 @@ def run_serve(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- entry point
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kvfleet bench`` (serve / throughput / compare / plot; see :mod:`kvfleet.bench.cli`)."""
-    from kvfleet.bench.cli import add_bench_parser as add
+def _lazy(module: str, function: str, what: str) -> Callable[[argparse._SubParsersAction], argparse.ArgumentParser]:
+    """A registrar that imports ``module`` only when the parser is built and calls its
+    ``function(subparsers)`` (``what`` names the subcommand in the docstring)."""
 
-    return add(sub)
+    def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+        return getattr(importlib.import_module(module), function)(sub)
 
-
-def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kvfleet router`` (see :mod:`kvfleet.router.cli`)."""
-    from kvfleet.router.cli import add_router_parser as add
-
-    return add(sub)
+    register.__name__ = function
+    register.__doc__ = f"Register ``kvfleet {what}`` (see :mod:`{module}`)."
+    return register
 
 
-def add_sim_engine_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kvfleet sim-engine`` (simulated engines for router tests; see :mod:`kvfleet.sim.cli`)."""
-    from kvfleet.sim.cli import add_sim_engine_parser as add
-
-    return add(sub)
-
-
-def add_render_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kvfleet render`` (Kubernetes manifests of InferenceServices; see :mod:`kvfleet.control.cli`)."""
-    from kvfleet.control.cli import add_render_parser as add
-
-    return add(sub)
-
+add_bench_parser = _lazy("kvfleet.bench.cli", "add_bench_parser", "bench")
+add_router_parser = _lazy("kvfleet.router.cli", "add_router_parser", "router")
+add_sim_engine_parser = _lazy("kvfleet.sim.cli", "add_sim_engine_parser", "sim-engine")
+add_render_parser = _lazy("kvfleet.control.cli", "add_render_parser", "render")
+add_up_parser = _lazy("kvfleet.control.fleet_cli", "add_up_parser", "up")
+add_status_parser = _lazy("kvfleet.control.fleet_cli", "add_status_parser", "status")
+add_down_parser = _lazy("kvfleet.control.fleet_cli", "add_down_parser", "down")
+add_operator_parser = _lazy("kvfleet.control.operator", "add_operator_parser", "operator")
 
 #: subcommand registrars: each adds its parser (with ``func`` set) to the subparsers.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_serve_parser,
-                                                                                        add_bench_parser,
-                                                                                        add_router_parser,
-                                                                                        add_sim_engine_parser,
-                                                                                        add_render_parser]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [
+    add_serve_parser, add_bench_parser, add_router_parser, add_sim_engine_parser, add_render_parser,
+    add_up_parser, add_status_parser, add_down_parser, add_operator_parser,
+]
+
+
+class ExampleHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """:data:`HelpFormatter` that keeps the line breaks of descriptions and epilogs (examples)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

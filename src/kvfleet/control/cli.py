@@ -22,24 +22,12 @@ EXAMPLES = """examples:
 """
 
 
-def add_render_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``kvfleet render``."""
-    from kvfleet.cli import HelpFormatter
+def add_render_option_flags(p: argparse.ArgumentParser) -> None:
+    """The rendering flags shared by ``kvfleet render`` and ``kvfleet operator``: ``--gateway``,
+    ``--no-keda``, ``--kueue-queue``, ``--kueue-priority``, ``--image``, ``--router-image``,
+    ``--downloader-image`` and ``--prometheus-url``."""
     from kvfleet.control.render import DEFAULT_PROMETHEUS_URL
 
-    class Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
-        """kvfleet's help formatter, keeping the examples' line breaks."""
-
-    p = sub.add_parser(
-        "render", help="print the Kubernetes manifests of InferenceService specs (like helm template)",
-        description="Resolve InferenceServices against their BaseModel, ServingRuntime and FineTunedWeight "
-                    "documents (plus the built-in kvfleet, vllm and sglang ClusterServingRuntimes) and print the "
-                    "Deployments / LeaderWorkerSets, Services, router, autoscalers, PodDisruptionBudgets and "
-                    "Gateway routes as multi-document YAML.",
-        epilog=EXAMPLES, formatter_class=Formatter)
-    p.add_argument("-f", "--filename", action="append", default=None, metavar="FILE",
-                   help="multi-document YAML of kvfleet.io/v1alpha1 resources ('-' = stdin; repeatable)")
-    p.add_argument("-n", "--namespace", default="default", help="namespace of documents that name none")
     p.add_argument("--gateway", default=None, metavar="NAME",
                    help="Gateway to attach an HTTPRoute and InferencePool to (overrides spec.gateway.name)")
     p.add_argument("--no-keda", dest="keda", action="store_false",
@@ -51,6 +39,24 @@ def add_render_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--router-image", default=None, help="router image (default: kvfleet's)")
     p.add_argument("--downloader-image", default=None, help="model download / verify image (default: kvfleet's)")
     p.add_argument("--prometheus-url", default=DEFAULT_PROMETHEUS_URL, help="Prometheus for KEDA triggers")
+
+
+def add_render_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``kvfleet render``."""
+    from kvfleet.cli import ExampleHelpFormatter
+
+
+    p = sub.add_parser(
+        "render", help="print the Kubernetes manifests of InferenceService specs (like helm template)",
+        description="Resolve InferenceServices against their BaseModel, ServingRuntime and FineTunedWeight "
+                    "documents (plus the built-in kvfleet, vllm and sglang ClusterServingRuntimes) and print the "
+                    "Deployments / LeaderWorkerSets, Services, router, autoscalers, PodDisruptionBudgets and "
+                    "Gateway routes as multi-document YAML.",
+        epilog=EXAMPLES, formatter_class=ExampleHelpFormatter)
+    p.add_argument("-f", "--filename", action="append", default=None, metavar="FILE",
+                   help="multi-document YAML of kvfleet.io/v1alpha1 resources ('-' = stdin; repeatable)")
+    p.add_argument("-n", "--namespace", default="default", help="namespace of documents that name none")
+    add_render_option_flags(p)
     p.add_argument("--verify", action="store_true",
                    help="check the sha256 of file:// and installed pypi:// sources before rendering")
     p.add_argument("-o", "--output", choices=("yaml", "json"), default="yaml", help="output format")
@@ -62,7 +68,12 @@ def add_render_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def _read(names: list[str]) -> str:
+def read_spec_files(names: list[str]) -> str:
+    """The files (``-`` = standard input) joined as one multi-document YAML text.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
     parts = []
     for name in names:
         if name == "-":
@@ -88,7 +99,7 @@ def run_render(args: argparse.Namespace) -> int:
         else:
             if not args.filename:
                 raise SpecError("", "give -f FILE (or --crds / --builtin-runtimes)")
-            catalog = Catalog.from_yaml(_read(args.filename), default_namespace=args.namespace)
+            catalog = Catalog.from_yaml(read_spec_files(args.filename), default_namespace=args.namespace)
             options = RenderOptions(gateway=args.gateway, keda=args.keda, kueue_queue=args.kueue_queue,
                                     kueue_priority=args.kueue_priority, image=args.image,
                                     router_image=args.router_image, downloader_image=args.downloader_image,

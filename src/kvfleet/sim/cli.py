@@ -16,7 +16,7 @@ import sys
 
 from kvfleet.cli import (
     LOG_LEVELS,
-    HelpFormatter,
+    ExampleHelpFormatter,
     non_negative_float,
     port_number,
     positive_int,
@@ -46,7 +46,7 @@ def add_sim_engine_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
 
     p = sub.add_parser("sim-engine", help="serve simulated engines (no model; real scheduler + KV cache, "
                                           "modelled latency) for router scale tests",
-                       description=DESCRIPTION, formatter_class=_Fmt)
+                       description=DESCRIPTION, formatter_class=ExampleHelpFormatter)
     net = p.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="interface to bind")
     net.add_argument("--port", type=port_number, default=9000,
@@ -114,10 +114,6 @@ def add_sim_engine_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
                    help="print each engine's base URL on stdout (one per line) once all accept connections")
     p.set_defaults(func=run_sim_engine, _parser=p)
     return p
-
-
-class _Fmt(HelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in help lines, and the description's line breaks kept."""
 
 
 def sim_config_from_args(args: argparse.Namespace):  # noqa: ANN201 - SimEngineConfig (lazy import)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvfleet.control.api.errors import SpecError
+from kvfleet.control.autoscale import SCALE_DOWN_WINDOW_S  # the local supervisor's policy uses it too
 from kvfleet.control.k8s.names import object_meta, pool_name, router_name
 from kvfleet.control.k8s.workloads import LWS_API
 from kvfleet.control.resolve import ResolvedPool, ResolvedService
@@ -21,7 +22,6 @@ from kvfleet.control.resolve import ResolvedPool, ResolvedService
 #: threshold of the activation-only trigger: requests/s per replica it would take to ask for a
 #: second replica (never reached), so it only lifts a pool from zero.
 ACTIVATION_ONLY_THRESHOLD = "1000000"
-SCALE_DOWN_WINDOW_S = 300
 
 
 def _target(rs: ResolvedService, pool: ResolvedPool) -> dict[str, str]:
