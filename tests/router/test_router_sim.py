@@ -238,3 +238,31 @@ def test_client_disconnect_mid_stream_aborts_at_the_engine() -> None:
             time.sleep(0.05)
         assert r.router.pool.endpoints[one.urls[0]].in_flight == 0
         assert sum(prom_samples(one.urls[0], "vllm:num_requests_running").values()) == 0
+
+
+def test_hold_when_empty_also_holds_a_retry_until_a_replica_is_back(tmp_path) -> None:
+    """One replica dies under a request: the request is held (not a 502) until the supervisor's
+    replacement appears, here a new engine written into the watched endpoints file."""
+    import time
+
+    victim = SimFleetThread(1, SimEngineConfig(time_scale=0.05))
+    victim.start()
+    f = tmp_path / "endpoints.yaml"
+    f.write_text(f"- {victim.urls[0]}\n")
+    with SimFleetThread(1, SimEngineConfig(time_scale=0.05)) as spare, InProcessRouter(
+            FileDiscovery(f), "round-robin", config={"hold_when_empty_s": 20.0},
+            pool={"discovery_interval_s": 0.1, "health_interval_s": 60}) as r:
+        model = oai(spare.urls[0]).models.list().data[0].id
+        victim.stop()
+        out: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: out.append(httpx.post(
+            r.url + "/v1/completions", json={"model": model, "prompt": "still there?", "max_tokens": 2}, timeout=60)))
+        t.start()
+        deadline = time.monotonic() + 10
+        while prom_samples(r.url, "kvfleet_router_queued_requests").get((), 0) < 1:
+            assert time.monotonic() < deadline, "the failed request was not held"
+            time.sleep(0.05)
+        f.write_text(f"- {spare.urls[0]}\n")
+        t.join(30)
+        assert out and out[0].status_code == 200
+        assert prom_samples(r.url, "kvfleet_router_retries")[()] == 1

@@ -56,10 +56,12 @@ class RouterConfig:
         request_timeout_s: read timeout towards the engine (seconds between bytes).
         retry_after_s: the ``Retry-After`` of a 503 without healthy endpoints.
         session_header: header forwarded for session affinity (case-insensitive).
-        hold_when_empty_s: with no healthy endpoint at all, hold a new request this long (in the
+        hold_when_empty_s: with no healthy endpoint at all, hold a request this long (in the
             bounded queue, counted in ``kvfleet_router_queued_requests``) for one to appear,
             instead of answering 503 at once: scale from zero, where an autoscaler starts a
-            replica when requests queue (0 = off).
+            replica when requests queue (0 = off). A request whose endpoint failed before the
+            first byte is held the same way (and may go to that endpoint again once it is
+            healthy: restarted), so a one-replica fleet survives a crash of its replica.
     """
 
     policy: str = "default"
@@ -132,7 +134,10 @@ class Router:
         try:
             while True:
                 healthy = [e for e in self.pool.healthy() if e.url not in exclude]
-                holding = not healthy and not exclude and time.monotonic() < hold_until
+                if not healthy and self.config.hold_when_empty_s > 0:
+                    # an endpoint that failed this request was ejected; healthy again means restarted
+                    healthy = self.pool.healthy()
+                holding = not healthy and time.monotonic() < hold_until
                 if not healthy and not holding:
                     self.metrics.rejected.labels("no_endpoint").inc()
                     raise _Rejected(error_response(
