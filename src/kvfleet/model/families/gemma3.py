@@ -38,33 +38,11 @@ from torch import nn
 from kvfleet.model.config import ModelConfig
 from kvfleet.model.families.llama import load_decoder_weights
 from kvfleet.model.layers.attention import AttentionMetadata, paged_attention
-from kvfleet.model.layers.linear import Linear
+from kvfleet.model.layers.linear import GatedMLP, Linear
 from kvfleet.model.layers.norm import GemmaRMSNorm
 from kvfleet.model.layers.rotary import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
-class GemmaGeGLUMLP(nn.Module):
-    """Gated MLP ``down(gelu_tanh(gate(x)) * up(x))`` (GeGLU, Shazeer 2020, "GLU Variants Improve
-    Transformer"; GELU with the tanh approximation, Hendrycks & Gimpel 2016).
-
-    Gate and up projections are fused: ``gate_up_proj.weight`` is ``cat([gate, up])`` of shape
-    ``[2 * intermediate_size, hidden_size]``.
-
-    Shapes:
-        x: ``[T, hidden_size]`` -> ``[T, hidden_size]``.
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma3Attention(nn.Module):
@@ -121,7 +99,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(cfg, layer, dtype)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
-        self.mlp = GemmaGeGLUMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, activation=cfg.hidden_activation)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,

@@ -1,4 +1,5 @@
-"""Plain linear layers with uninitialised weights (the loader fills them) and the SwiGLU MLP."""
+"""Plain linear layers with uninitialised weights (the loader fills them) and the gated MLP
+(SwiGLU / GeGLU)."""
 
 from __future__ import annotations
 
@@ -30,22 +31,41 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-class SwiGLUMLP(nn.Module):
-    """Gated MLP ``down(silu(gate(x)) * up(x))`` (Shazeer 2020, "GLU Variants Improve Transformer").
+#: gate activations of :class:`GatedMLP`, by :attr:`ModelConfig.hidden_activation` name.
+GATE_ACTIVATIONS = {
+    "silu": F.silu,  # SwiGLU (Llama, Mistral, Qwen2)
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GeGLU (Gemma; Hendrycks & Gimpel 2016)
+}
+
+
+class GatedMLP(nn.Module):
+    """Gated MLP ``down(act(gate(x)) * up(x))`` (Shazeer 2020, "GLU Variants Improve
+    Transformer"): SwiGLU with ``silu``, GeGLU with ``gelu_tanh``.
 
     The gate and up projections are fused into one matmul: ``gate_up_proj.weight`` is
     ``cat([gate.weight, up.weight])`` of shape ``[2 * intermediate_size, hidden_size]``.
 
     Shapes:
         x: ``[T, hidden_size]`` -> ``[T, hidden_size]``.
+
+    Raises:
+        ValueError: an activation not in :data:`GATE_ACTIVATIONS`.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype = torch.float32,
+                 activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"unknown MLP activation {activation!r} (known: {', '.join(GATE_ACTIVATIONS)})")
         self.intermediate_size = intermediate_size
+        self.act = GATE_ACTIVATIONS[activation]
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+
+#: the Llama-family name of the SwiGLU MLP.
+SwiGLUMLP = GatedMLP
