@@ -123,6 +123,8 @@ class EngineConfig:
         dtype: compute / KV dtype: ``float32`` (default on CPU) or ``bfloat16``.
         seed: global seed for requests without their own.
         num_threads: torch intra-op threads (None = torch's default).
+        quantization: ``none`` (weights in ``dtype``) or ``int8`` (W8A8 dynamic int8 projections
+            and LM head on the CPU, :mod:`kvfleet.model.layers.quantization`; needs float32).
     """
 
     model: str = DEFAULT_MODEL
@@ -130,6 +132,7 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     num_threads: int | None = None
+    quantization: str = "none"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -140,3 +143,8 @@ class EngineConfig:
             raise ValueError("--preemption-mode swap needs a host swap pool: set --swap-space GIB > 0")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization == "int8" and self.dtype != "float32":
+            raise ValueError(f"--quantization int8 needs --dtype float32 (fbgemm's int8 kernels take float32 "
+                             f"activations), got {self.dtype}")

@@ -339,7 +339,8 @@ def _run_throughput(args: argparse.Namespace) -> int:
     try:
         cfg = ThroughputConfig(model=args.model, engines=tuple(args.engines), dataset=_dataset_spec(args),
                                dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens, hf_batch_size=args.hf_batch_size)
+                               max_num_batched_tokens=args.max_num_batched_tokens, hf_batch_size=args.hf_batch_size,
+                               quantization=args.quantization)
         tokenizer = _tokenizer_for(args, args.model)
         result = run_throughput(cfg, tokenizer, command=_command_line(args))
     except (DatasetError, FileNotFoundError, ValueError) as e:
@@ -369,6 +370,8 @@ def _add_throughput(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=_pos_int, default=64, help="kvfleet: most running requests per step")
     p.add_argument("--max-num-batched-tokens", type=_pos_int, default=2048, help="kvfleet: tokens per step")
     p.add_argument("--hf-batch-size", type=_pos_int, default=16, help="hf: static batch size")
+    p.add_argument("--quantization", choices=("none", "int8"), default="none",
+                   help="kvfleet: int8 = W8A8 dynamic int8 projections and LM head (needs --dtype float32)")
     _add_dataset_args(p)
     g = p.add_argument_group("output")
     g.add_argument("--result-json", default=None, help="write the result here")

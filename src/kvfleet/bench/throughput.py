@@ -42,6 +42,7 @@ class ThroughputConfig:
         num_threads: torch intra-op threads (None: torch's default).
         max_num_seqs, max_num_batched_tokens, kv_cache_memory: kvfleet scheduler / cache settings.
         hf_batch_size: static batch size of the transformers baseline.
+        quantization: kvfleet's ``--quantization`` (``none`` or ``int8``).
     """
 
     model: str = "smollm2-135m-instruct"
@@ -53,6 +54,7 @@ class ThroughputConfig:
     max_num_batched_tokens: int = 2048
     kv_cache_memory: int = 2 * 2**30
     hf_batch_size: int = 16
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if self.dataset is None:
@@ -80,7 +82,8 @@ def _run_kvfleet(cfg: ThroughputConfig, work: list[BenchRequest] | list[Conversa
     from kvfleet import LLM, SamplingParams
 
     llm = LLM(cfg.model, dtype=cfg.dtype, num_threads=cfg.num_threads, max_num_seqs=cfg.max_num_seqs,
-              max_num_batched_tokens=cfg.max_num_batched_tokens, kv_cache_memory=cfg.kv_cache_memory)
+              max_num_batched_tokens=cfg.max_num_batched_tokens, kv_cache_memory=cfg.kv_cache_memory,
+              quantization=cfg.quantization)
     llm.generate(["warm up"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     n_in = n_out = n_req = 0
     t0 = time.perf_counter()
@@ -103,7 +106,9 @@ def _run_kvfleet(cfg: ThroughputConfig, work: list[BenchRequest] | list[Conversa
         n_in = sum(len(o.prompt_token_ids) for o in outs)
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     dt = time.perf_counter() - t0
-    return _summary("kvfleet", f"{cfg.dtype} (weights dequantized from the GGUF)", torch.get_num_threads(),
+    precision = (f"{cfg.dtype} (weights dequantized from the GGUF)" if cfg.quantization == "none" else
+                 "int8 W8A8 dynamic (q/k/v, o, gate/up, LM head), float32 down_proj and activations")
+    return _summary("kvfleet", precision, torch.get_num_threads(),
                     n_req, n_in, n_out, dt, {"max_num_seqs": cfg.max_num_seqs,
                                              "max_num_batched_tokens": cfg.max_num_batched_tokens,
                                              "kv_cache_memory_bytes": cfg.kv_cache_memory})

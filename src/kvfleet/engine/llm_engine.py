@@ -42,6 +42,21 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _quantized(loaded: Any, method: str) -> Any:
+    """A copy of ``loaded`` (which the caller may share, e.g. tests) with its model quantized by
+    ``method`` (:mod:`kvfleet.model.layers.quantization`)."""
+    import copy
+    import time
+
+    from kvfleet.model.layers.quantization import quantize_model
+
+    t0 = time.monotonic()
+    model = copy.deepcopy(loaded.model)
+    n = quantize_model(model, method)
+    logger.info("quantization %s: %d layers in %.1fs", method, n, time.monotonic() - t0)
+    return dataclasses.replace(loaded, model=model)
+
+
 @dataclass
 class _Choice:
     """Engine-side state of one choice (one child :class:`Request`) of a request group."""
@@ -117,7 +132,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         dtype = getattr(torch, _DTYPES[config.dtype])
-        self.loaded = loaded if loaded is not None else load_model(config.model, dtype=dtype)
+        if loaded is None:
+            self.loaded = load_model(config.model, dtype=dtype, quantization=config.quantization)
+        elif config.quantization != "none":
+            self.loaded = _quantized(loaded, config.quantization)
+        else:
+            self.loaded = loaded
         mc = self.loaded.config
         self.model_config = mc
         self.tokenizer = self.loaded.tokenizer

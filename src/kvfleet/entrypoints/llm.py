@@ -26,7 +26,8 @@ class LLM:
         **kwargs: engine settings by their CLI names with underscores: ``block_size``,
             ``num_kv_blocks``, ``kv_cache_memory`` (bytes or ``"2GiB"``), ``max_num_seqs``,
             ``max_num_batched_tokens``, ``max_model_len``, ``enable_chunked_prefill``, ``dtype``,
-            ``seed``, ``num_threads``, ``served_model_name``; KV cache management:
+            ``seed``, ``num_threads``, ``served_model_name``, ``quantization`` (``none``/``int8``);
+            KV cache management:
             ``enable_prefix_caching``, ``prefix_cache`` (``hash``/``radix``),
             ``scheduling_policy`` (``fcfs``/``lpm``), ``preemption_mode`` (``recompute``/``swap``),
             ``swap_space`` (GiB), ``kv_cache_dtype`` (``auto``/``fp8_e4m3``/``fp8_e5m2``),
@@ -47,7 +48,7 @@ class LLM:
                       "prefix_cache", "swap_space", "kv_eviction", "sink_tokens", "streaming_window"}
         sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting_requests",
                       "enable_chunked_prefill", "preemption_mode", "scheduling_policy"}
-        engine_keys = {"served_model_name", "dtype", "seed", "num_threads"}
+        engine_keys = {"served_model_name", "dtype", "seed", "num_threads", "quantization"}
         unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
         if unknown:
             raise TypeError(f"unknown LLM argument(s): {', '.join(sorted(unknown))}")

@@ -140,6 +140,9 @@ class Gemma3ForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
                                         requires_grad=False)
+        #: an LM head module replacing ``lm_head`` / the tied embedding in :meth:`compute_logits`
+        #: (set by :func:`kvfleet.model.layers.quantization.quantize_model`); None = float matmul.
+        self.lm_head_linear: nn.Module | None = None
         table = min(config.max_position_embeddings, 8192)
         # One rotary table per distinct base (global and local layers), shared by the layers using it.
         self.layer_theta = [config.layer_rope_theta(i) for i in range(config.num_hidden_layers)]
@@ -171,8 +174,12 @@ class Gemma3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (+ soft-capping when configured) on selected rows:
         ``[N, hidden]`` -> float32 ``[N, vocab]``."""
-        w = self.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(self.norm(hidden), w)
+        x = self.norm(hidden)
+        if self.lm_head_linear is not None:
+            logits = self.lm_head_linear(x)
+        else:
+            w = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = F.linear(x, w)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

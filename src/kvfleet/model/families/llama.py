@@ -98,6 +98,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype),
                                         requires_grad=False)
+        #: an LM head module replacing ``lm_head`` / the tied embedding in :meth:`compute_logits`
+        #: (set by :func:`kvfleet.model.layers.quantization.quantize_model`); None = float matmul.
+        self.lm_head_linear: nn.Module | None = None
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta,
                                       min(config.max_position_embeddings, 8192), config.rope_scaling, dtype)
 
@@ -122,8 +125,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on selected rows: ``[N, hidden]`` -> float32 ``[N, vocab]``."""
+        x = self.norm(hidden)
+        if self.lm_head_linear is not None:
+            return self.lm_head_linear(x).float()
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), w).float()
+        return F.linear(x, w).float()
 
     # ------------------------------------------------------------------ weights
     _NORMS = ("input_layernorm", "post_attention_layernorm")
