@@ -188,23 +188,32 @@ def test_sglang_command_lines(rendered):
     assert (wp["--nnodes"], wp["--node-rank"]) == ("2", "$(LWS_WORKER_INDEX)")
 
 
-def test_router_args_parse_with_kvfleet_router_and_select_the_engine_pods(rendered):
+def test_router_args_parse_with_kvfleet_router_and_select_the_engine_pods(rendered, monkeypatch):
     from kvfleet.cli import build_parser
-    from kvfleet.router.cli import scorer_weights
+    from kvfleet.router import cli as router_cli
+    from kvfleet.router.cli import build_discovery, build_prefill_discovery, scorer_weights
 
+    class FakeK8s:  # the real one needs a cluster; record what the router would watch
+        def __init__(self, selector, namespace, port, kind):
+            self.selector, self.namespace, self.port, self.kind = selector, namespace, port, kind
+
+    monkeypatch.setattr(router_cli, "KubernetesDiscovery", FakeK8s)
     for (mode, _runtime, variant), ms in rendered.items():
         router = _one(ms, "Deployment", "svc-router")["spec"]["template"]["spec"]
         c = router["containers"][0]
         assert c["command"] == ["kvfleet", "router"] and router["serviceAccountName"] == "svc-router"
-        args = list(c["args"])
-        selectors = {}
-        if mode == "PrefillDecodeDisaggregated":  # the flag the router's P/D support is expected to take
-            i = args.index("--k8s-prefill-selector")
-            selectors["prefill"] = args[i + 1]
-            del args[i:i + 2]
-        parsed = build_parser().parse_args(["router", *args])
+        parsed = build_parser().parse_args(["router", *c["args"]])
         assert (parsed.k8s_namespace, parsed.k8s_port, parsed.port, parsed.host) == (NS, 8000, 8000, "0.0.0.0")
-        selectors["decode" if mode == "PrefillDecodeDisaggregated" else "engine"] = parsed.k8s_selector
+        # the router's own flag handling: which pool each selector feeds
+        main, prefill = build_discovery(parsed, {}), build_prefill_discovery(parsed, {})
+        assert (main.namespace, main.port) == (NS, 8000)
+        selectors = {"decode" if mode == "PrefillDecodeDisaggregated" else "engine": main.selector}
+        if mode == "PrefillDecodeDisaggregated":  # a P/D split: prefill pool and decode pool
+            assert prefill is not None and (prefill.namespace, prefill.port) == (NS, 8000)
+            assert parsed.k8s_selector is None and parsed.k8s_decode_selector == main.selector
+            selectors["prefill"] = prefill.selector
+        else:
+            assert prefill is None
         for role, sel in selectors.items():
             want = dict(kv.split("=") for kv in sel.split(","))
             pods = [t for m in ms for t in pod_templates(m) if matches(want, t["metadata"]["labels"])]

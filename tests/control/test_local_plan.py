@@ -13,7 +13,7 @@ import pytest
 
 from kvfleet.cli import main
 from kvfleet.control.api import Catalog, SpecError
-from kvfleet.control.local import PD_NOTE, local_argv, local_model_path, plan_fleet
+from kvfleet.control.local import local_argv, local_model_path, plan_fleet
 from kvfleet.control.resolve import resolve
 from tests.control.specs import GGUF_MODEL, service
 
@@ -56,14 +56,27 @@ def test_standard_plan_builds_local_kvfleet_serve_command(tmp_path):
     assert router[router.index("--endpoints-file") + 1] == str(tmp_path / "e.yaml")
 
 
-def test_pd_plan_has_two_pools_and_says_there_is_no_split(tmp_path):
+def test_pd_plan_has_two_pools_and_a_splitting_router(tmp_path):
     rs = _resolve(_file_model(tmp_path), service("pd", "PrefillDecodeDisaggregated", "kvfleet",
                                                  router={"scorers": {"prefix": 3, "queue": 2}}))
     plan = plan_fleet(rs)
-    assert [p.role for p in plan.pools] == ["prefill", "decode"]
+    assert plan.pd and [p.role for p in plan.pools] == ["prefill", "decode"]
     assert [(p.min_replicas, p.max_replicas) for p in plan.pools] == [(1, 3), (2, 2)]
-    assert PD_NOTE in plan.notes and "no prefill/decode split" in PD_NOTE
+    assert not any("prefill" in n for n in plan.notes)  # runs as on Kubernetes: nothing to warn about
     assert plan.router_flags == ("--scorer", "prefix:3", "--scorer", "queue:2")
+    argv = plan.router_argv(endpoints_file=tmp_path / "d.yaml", prefill_endpoints_file=tmp_path / "p.yaml", port=1)
+    assert argv[argv.index("--endpoints-file") + 1] == str(tmp_path / "d.yaml")
+    assert argv[argv.index("--prefill-endpoints-file") + 1] == str(tmp_path / "p.yaml")
+    from kvfleet.cli import build_parser
+    from kvfleet.router.cli import build_discovery, build_prefill_discovery
+
+    (tmp_path / "d.yaml").write_text("- http://127.0.0.1:9001\n")
+    (tmp_path / "p.yaml").write_text("- http://127.0.0.1:9002\n")
+    parsed = build_parser().parse_args(argv[3:])
+    assert build_discovery(parsed, {}).describe() == f"file: {tmp_path / 'd.yaml'}"
+    assert build_prefill_discovery(parsed, {}).describe() == f"file: {tmp_path / 'p.yaml'}"
+    with pytest.raises(ValueError, match="prefill_endpoints_file is required"):
+        plan.router_argv(endpoints_file=tmp_path / "d.yaml", port=1)
 
 
 def test_local_argv_rewrites_only_the_program_and_host():
@@ -79,10 +92,14 @@ def test_multinode_needs_kubernetes(capsys):
 
 
 @pytest.mark.parametrize("example", ["pd-disaggregated.yaml", "serverless.yaml"])
-def test_remote_sources_are_not_supported_locally_yet(example, capsys):
+def test_hub_sources_offline_and_not_cached_fail_with_one_line(example, capsys, monkeypatch, tmp_path):
+    # hf:// sources are fetched (tests/control/test_local_models.py); offline with nothing cached they cannot be
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("KVFLEET_CACHE_DIR", str(tmp_path / "kv"))
     assert main(["up", "-f", str(REPO / "examples" / example)]) == 2
     err = capsys.readouterr().err
-    assert "spec.source: hf:// sources are not supported by the local fleet yet" in err
+    assert err.count("\n") == 1 and "spec.source: HF_HUB_OFFLINE is set and hf://" in err
 
 
 def test_sha256_mismatch_is_refused(tmp_path, capsys):

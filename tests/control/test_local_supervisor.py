@@ -334,8 +334,15 @@ def test_pd_pools_are_supervised_separately(tmp_path):
     step(sup, world)
     roles = sorted((r.role, r.state) for r in sup.replicas)
     assert roles == [("decode", "ready"), ("decode", "ready"), ("prefill", "ready")]  # prefill 1..3, decode 2..2
-    assert len(endpoints(sup)) == 3  # both pools behind the one router
-    assert any("no prefill/decode split" in e["message"] for e in sup.events)
+    urls = {r.role: set() for r in sup.replicas}
+    for r in sup.replicas:
+        urls[r.role].add(r.url)
+    assert set(endpoints(sup)) == urls["decode"]  # the router's decode pool
+    prefill = [ln[2:] for ln in sup.prefill_endpoints_file.read_text().splitlines() if ln.startswith("- ")]
+    assert set(prefill) == urls["prefill"]  # and its prefill pool
+    argv = sup.router.argv
+    assert argv[argv.index("--prefill-endpoints-file") + 1] == str(sup.prefill_endpoints_file)
+    assert sup.snapshot()["prefill_endpoints_file"] == str(sup.prefill_endpoints_file)
 
 
 def test_shutdown_stops_everything_and_removes_the_state(tmp_path):

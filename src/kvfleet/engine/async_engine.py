@@ -10,11 +10,12 @@ asyncio queue through ``loop.call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from kvfleet.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
@@ -26,6 +27,10 @@ from kvfleet.sampling_params import SamplingParams
 logger = logging.getLogger("kvfleet.engine")
 
 _STOP = object()
+_T = TypeVar("_T")
+#: hook run after tokenization, before queueing: ``(request_id, prompt_token_ids)`` -> a callable
+#: the engine thread runs right before it queues the request (or None).
+BeforeAdmit = Callable[[str, list[int]], Awaitable[Callable[[LLMEngine], Any] | None]]
 
 
 class RequestStream:
@@ -144,16 +149,45 @@ class AsyncLLM:
         return self._submit(self.engine.prepare_request(request_id, prompt, params, cache_salt=cache_salt), params)
 
     async def add_request_async(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+        before_admit: BeforeAdmit | None = None,
     ) -> RequestStream:
         """:meth:`add_request` with tokenization in a worker thread, so a long prompt never stalls
-        the event loop (the tokenizer releases the GIL). Same errors."""
+        the event loop (the tokenizer releases the GIL). Same errors.
+
+        Args:
+            before_admit: awaited with ``(request_id, prompt_token_ids)`` once the request is
+                validated; a callable it returns runs in the engine thread right before the
+                request is queued, in the same inbox item (no step in between). P/D
+                disaggregation fetches the prompt's KV here and imports it there
+                (:class:`kvfleet.engine.kv_transfer.KVTransferClient`). An exception in that
+                callable is logged and the request is queued anyway.
+        """
         if not self.healthy:
             raise EngineDeadError("the engine loop has died; restart the server")
         group = await asyncio.to_thread(self.engine.prepare_request, request_id, prompt, params, None, cache_salt)
-        return self._submit(group, params)
+        pre = await before_admit(group.request_id, list(group.prompt_token_ids)) if before_admit else None
+        return self._submit(group, params, pre)
 
-    def _submit(self, group: Any, params: SamplingParams) -> RequestStream:
+    async def run_in_engine(self, fn: Callable[[LLMEngine], _T]) -> _T:
+        """Run ``fn(engine)`` in the engine thread between two steps (never during a forward pass)
+        and return its result; an exception it raises is raised here. For work that reads or
+        writes the KV pool, such as P/D KV export (:func:`kvfleet.engine.kv_transfer.export_kv`).
+
+        Raises:
+            EngineDeadError: the engine loop is dead or stops before running ``fn``.
+        """
+        if not self.healthy:
+            raise EngineDeadError("the engine loop has died; restart the server")
+        fut: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        self._inbox.put(("call", (fn, fut)))
+        self._wake.set()
+        if self._stop.is_set() or not self.healthy:
+            self._fail_pending_calls(EngineDeadError("the engine was shut down"))
+        return await asyncio.wrap_future(fut)
+
+    def _submit(self, group: Any, params: SamplingParams, pre: Callable[[LLMEngine], Any] | None = None
+                ) -> RequestStream:
         request_id = group.request_id
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -165,7 +199,7 @@ class AsyncLLM:
             stream = RequestStream(request_id, self, loop)
             self._streams[request_id] = stream
             self._pending_adds += len(group.choices)
-        self._inbox.put(("add", group))
+        self._inbox.put(("add", (group, pre)))
         self._wake.set()
         return stream
 
@@ -204,11 +238,24 @@ class AsyncLLM:
             except queue.Empty:
                 return did
             did = True
-            if kind == "add":
+            if kind == "call":
+                fn, fut = payload
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(self.engine))
+                    except BaseException as e:  # noqa: BLE001 - handed to the caller
+                        fut.set_exception(e)
+            elif kind == "add":
+                payload, pre = payload
                 rid = payload.request_id
                 with self._lock:
                     self._pending_adds -= len(payload.choices)
                     stream = self._streams.get(rid)
+                if pre is not None and stream is not None and not stream.finished:
+                    try:
+                        pre(self.engine)
+                    except Exception:
+                        logger.exception("pre-admission hook of %s failed; queueing it anyway", rid)
                 try:
                     self.engine.add_prepared(payload)
                 except Exception as e:  # admission failed after the fast checks (e.g. a race)
@@ -219,6 +266,23 @@ class AsyncLLM:
             elif kind == "abort":
                 out = self.engine.abort_request(payload)
                 self._finish_stream(payload, out if out is not None else _STOP)
+
+    def _fail_pending_calls(self, err: BaseException) -> None:
+        """Fail the ``run_in_engine`` calls still in the inbox (the loop is gone); other items
+        are kept (their streams get the engine's own error)."""
+        keep = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "call":
+                if payload[1].set_running_or_notify_cancel():
+                    payload[1].set_exception(err)
+            else:
+                keep.append((kind, payload))
+        for item in keep:
+            self._inbox.put(item)
 
     def _finish_stream(self, request_id: str, item: Any) -> None:
         with self._lock:
@@ -248,12 +312,14 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self.healthy = False
             err = EngineDeadError(f"engine loop died: {e!r}")
+            self._fail_pending_calls(err)
             with self._lock:
                 streams = list(self._streams.values())
                 self._streams.clear()
             for s in streams:
                 s._put(err)
             return
+        self._fail_pending_calls(EngineDeadError("the engine was shut down"))
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()

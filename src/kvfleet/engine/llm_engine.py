@@ -478,6 +478,28 @@ class LLMEngine:
                 changed.append(self._choice_output(c, now, stats=self._abort_stats))
         return self._group_output(group, changed)
 
+    # P/D disaggregation: blocks imported for a request (kvfleet.engine.kv_transfer) stay pinned
+    # until it is first scheduled, so that other requests' allocations cannot evict them meanwhile.
+    _kv_pins: dict[str, list[Request]] | None = None
+
+    def pin_imported_kv(self, request_id: str, placeholder: Request) -> None:
+        """Keep the blocks ``placeholder`` holds in the KV cache manager (an import, see
+        :func:`kvfleet.engine.kv_transfer.import_kv`) until request ``request_id`` is first
+        scheduled, finishes, or turns out not to exist at the next step; then free them (they
+        stay in the prefix cache). Call from the engine thread."""
+        if self._kv_pins is None:
+            self._kv_pins = {}
+        self._kv_pins.setdefault(request_id, []).append(placeholder)
+
+    def _release_kv_pins(self) -> None:
+        assert self._kv_pins is not None
+        for rid in list(self._kv_pins):
+            group = self._groups.get(rid)
+            if group is not None and not group.finished and group.choices[0].request.num_computed_tokens == 0:
+                continue  # still waiting for its first step
+            for placeholder in self._kv_pins.pop(rid):
+                self.kv_cache_manager.free(placeholder)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -509,6 +531,8 @@ class LLMEngine:
         sched_ = self.scheduler
         swaps = (sched_.num_swap_outs, sched_.num_swap_ins)
         sched = sched_.schedule()
+        if self._kv_pins:
+            self._release_kv_pins()
         stats.num_preemptions = len(sched.preempted)
         stats.num_swap_outs = sched_.num_swap_outs - swaps[0]
         stats.num_swap_ins = sched_.num_swap_ins - swaps[1]

@@ -84,6 +84,17 @@ def error_response(status: int, message: str, type_: str, code: str | None = Non
                         status_code=status, headers=headers)
 
 
+def parse_json_body(raw: bytes) -> dict[str, Any] | Response:
+    """The request body as a JSON object, or the OpenAI-style 400 response to send instead."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return error_response(400, f"request body is not valid JSON: {e}", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object", "invalid_request_error")
+    return body
+
+
 class _Rejected(Exception):
     def __init__(self, response: JSONResponse) -> None:
         self.response = response
@@ -120,23 +131,27 @@ class Router:
             return False
         return ep.queue_depth >= c.saturation_queue_depth and ep.kv_usage >= c.saturation_kv_usage
 
-    async def choose(self, ctx: RoutingContext, exclude: set[str]) -> Endpoint:
+    async def choose(self, ctx: RoutingContext, exclude: set[str], pool: EndpointPool | None = None,
+                     picker: EndpointPicker | None = None) -> Endpoint:
         """Pick an endpoint for ``ctx``, waiting in the bounded queue while all are saturated.
+        ``pool`` and ``picker`` default to the router's own (P/D routing passes the prefill pool's).
 
         Raises:
             _Rejected: no healthy endpoint (503; with ``hold_when_empty_s`` only after holding
                 that long: scale from zero), or the queue is full or timed out (429).
         """
+        pool = pool or self.pool
+        picker = picker or self.picker
         start = time.monotonic()
         deadline = start + self.config.queue_timeout_s
         hold_until = start + self.config.hold_when_empty_s
         queued = False
         try:
             while True:
-                healthy = [e for e in self.pool.healthy() if e.url not in exclude]
+                healthy = [e for e in pool.healthy() if e.url not in exclude]
                 if not healthy and self.config.hold_when_empty_s > 0:
                     # an endpoint that failed this request was ejected; healthy again means restarted
-                    healthy = self.pool.healthy()
+                    healthy = pool.healthy()
                 holding = not healthy and time.monotonic() < hold_until
                 if not healthy and not holding:
                     self.metrics.rejected.labels("no_endpoint").inc()
@@ -145,7 +160,7 @@ class Router:
                         "no_healthy_endpoint", headers={"Retry-After": str(self.config.retry_after_s)}))
                 candidates = [e for e in healthy if not self.saturated(e)]
                 if candidates:  # (none while holding for an endpoint to appear)
-                    decision = self.picker.pick(ctx, candidates)
+                    decision = picker.pick(ctx, candidates)
                     self.metrics.decisions.labels(self.config.policy).inc()
                     return decision.endpoint
                 if not queued:
@@ -182,21 +197,26 @@ class Router:
     async def forward(self, path: str, raw: bytes, headers: dict[str, str]) -> Response:
         """Route and forward one POST request; returns the response to send to the client."""
         t0 = time.perf_counter()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error_response(400, f"request body is not valid JSON: {e}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object", "invalid_request_error")
+        body = parse_json_body(raw)
+        if isinstance(body, Response):
+            return body
         ctx = RoutingContext(path, body, headers)
         # header values as the client sent their bytes (Starlette decodes them as latin-1)
         fwd = {k: v.encode("latin-1", "replace") for k, v in headers.items() if k in FORWARD_HEADERS}
-        stream = body.get("stream") is True
+        return await self.route(ctx, raw, fwd, body.get("stream") is True, t0)
+
+    async def route(self, ctx: RoutingContext, raw: bytes, fwd: dict[str, bytes], stream: bool, t0: float | None,
+                    pool: EndpointPool | None = None, picker: EndpointPicker | None = None) -> Response:
+        """Choose an endpoint of ``pool`` (default: the router's) for ``ctx`` and send it ``raw``,
+        retrying elsewhere on failures before the first byte. The endpoint that answered is left
+        in ``ctx.cache["endpoint"]`` (its URL). ``t0`` is the request's arrival
+        (``time.perf_counter()``) for the TTFT histogram; None does not observe it."""
+        path = ctx.path
         tried: set[str] = set()
         last_error = ""
         for attempt in range(self.config.max_retries + 1):
             try:
-                ep = await self.choose(ctx, tried)
+                ep = await self.choose(ctx, tried, pool, picker)
             except _Rejected as r:
                 if tried and r.response.status_code == 503:  # every endpoint we tried failed
                     return error_response(502, f"every engine endpoint tried failed; last error: {last_error}",
@@ -214,15 +234,16 @@ class Router:
                 last_error = result
                 ep.errors_total += 1
                 self.metrics.errors.labels(ep.url).inc()
-                self.pool.report_failure(ep, result)
+                (pool or self.pool).report_failure(ep, result)
                 self._release(ep)
                 continue
+            ctx.cache["endpoint"] = ep.url
             return result
         return error_response(502, f"every engine endpoint tried failed; last error: {last_error}",
                               "bad_gateway_error", "upstream_failed")
 
     async def _send(self, ep: Endpoint, path: str, raw: bytes, headers: dict[str, bytes], stream: bool,
-                    t0: float) -> Response | str:
+                    t0: float | None) -> Response | str:
         """Send to ``ep``. Returns the response for the client, or a string saying why it failed
         before its first byte (then nothing was sent to the client and ``ep`` is still counted
         in flight)."""
@@ -252,7 +273,8 @@ class Router:
         except httpx.HTTPError as e:
             await resp.aclose()
             return f"stream broke before the first byte: {type(e).__name__}: {e}"
-        self.metrics.ttft.observe(time.perf_counter() - t0)
+        if t0 is not None:
+            self.metrics.ttft.observe(time.perf_counter() - t0)
         media = resp.headers.get("content-type", "application/json")
         if not stream or resp.status_code != 200:
             try:
@@ -285,6 +307,11 @@ class Router:
         self.metrics.errors.labels(ep.url).inc()
         self.pool.report_failure(ep, f"response broke after the first byte: {type(e).__name__}: {e}")
 
+    def health_info(self) -> tuple[bool, dict[str, Any]]:
+        """``(healthy, details)`` for ``GET /health``: healthy while an endpoint is."""
+        n = len(self.pool.healthy())
+        return n > 0, {"healthy_endpoints": n}
+
     async def models(self) -> Response:
         """``GET /v1/models`` of the first healthy endpoint that answers (the replicas serve the
         same model)."""
@@ -300,16 +327,20 @@ class Router:
 
 
 def create_router_app(discovery: Discovery, picker: EndpointPicker, config: RouterConfig | None = None,
-                      pool_options: dict[str, Any] | None = None) -> FastAPI:
+                      pool_options: dict[str, Any] | None = None,
+                      prefill: tuple[Discovery, EndpointPicker] | None = None, pd: Any = None) -> FastAPI:
     """The router's FastAPI app: ``POST /v1/chat/completions``, ``POST /v1/completions``,
     ``GET /v1/models``, ``GET /health`` (200 while an endpoint is healthy, else 503) and
     ``GET /metrics`` (the router's own metrics). The endpoint pool starts with the app.
 
     Args:
-        discovery: the endpoint source.
+        discovery: the endpoint source (the decode pool with a P/D split).
         picker: the endpoint picker (scorers and weights).
         config: behaviour knobs (default :class:`RouterConfig`).
         pool_options: keyword arguments of :class:`EndpointPool` (intervals, back-off).
+        prefill: the prefill pool's source and picker: every request then goes through a
+            prefill endpoint before its decode endpoint (:class:`kvfleet.router.pd.PDRouter`).
+        pd: :class:`kvfleet.router.pd.PDConfig` of the P/D split (default fallback ``decode``).
     """
     config = config or RouterConfig()
     state: dict[str, Router] = {}
@@ -320,17 +351,33 @@ def create_router_app(discovery: Discovery, picker: EndpointPicker, config: Rout
         # request is not sent on a connection the server is closing.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=2.0)
         async with httpx.AsyncClient(limits=limits) as client:
-            pool = EndpointPool(discovery, client, RouterMetrics(), **(pool_options or {}))
-            router = Router(pool, picker, config, client)
+            pools: list[EndpointPool]
+            if prefill is None:
+                pool = EndpointPool(discovery, client, RouterMetrics(), **(pool_options or {}))
+                router: Router = Router(pool, picker, config, client)
+                pools = [pool]
+            else:
+                from kvfleet.router.pd import PDRouter, pd_pools
+
+                pool, prefill_pool = pd_pools(discovery, prefill[0], client, RouterMetrics(), **(pool_options or {}))
+                router = PDRouter(pool, picker, prefill_pool, prefill[1], config, client, pd)
+                pools = [pool, prefill_pool]
             state["router"] = router
             app.state.router = router
-            await pool.start()
-            logger.info("router: %d endpoints (%s), policy %s", len(pool.endpoints), discovery.describe(),
-                        config.policy)
+            for p in pools:
+                await p.start()
+            if prefill is None:
+                logger.info("router: %d endpoints (%s), policy %s", len(pool.endpoints), discovery.describe(),
+                            config.policy)
+            else:
+                logger.info("router (P/D split): %d prefill endpoints (%s), %d decode endpoints (%s), policy %s",
+                            len(pools[1].endpoints), prefill[0].describe(), len(pool.endpoints),
+                            discovery.describe(), config.policy)
             try:
                 yield
             finally:
-                await pool.stop()
+                for p in pools:
+                    await p.stop()
 
     app = FastAPI(title="kvfleet router", lifespan=lifespan)
 
@@ -361,9 +408,9 @@ def create_router_app(discovery: Discovery, picker: EndpointPicker, config: Rout
 
     @app.get("/health", response_model=None)
     async def health() -> Response:
-        n = len(state["router"].pool.healthy())
-        if n:
-            return JSONResponse({"status": "ok", "healthy_endpoints": n})
+        ok, info = state["router"].health_info()
+        if ok:
+            return JSONResponse({"status": "ok", **info})
         return error_response(503, "no healthy engine endpoint", "service_unavailable_error", "no_healthy_endpoint",
                               headers={"Retry-After": str(config.retry_after_s)})
 

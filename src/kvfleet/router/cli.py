@@ -23,6 +23,8 @@ EXAMPLES = """examples:
   kvfleet router --endpoints-file endpoints.yaml --policy round-robin
   kvfleet router --endpoints-file endpoints.yaml --scorer prefix:3 --scorer queue:2 --scorer kv-usage:2
   kvfleet router --k8s-selector app=kvfleet-engine --k8s-namespace llm --k8s-port 8000
+  kvfleet router --prefill-endpoints http://127.0.0.1:8001 --decode-endpoints http://127.0.0.1:8002,http://127.0.0.1:8003
+  kvfleet router --k8s-prefill-selector app=llm,role=prefill --k8s-decode-selector app=llm,role=decode
 
 config file (--config, YAML; flags given on the command line win):
   policy: default            # or scorers:
@@ -30,6 +32,13 @@ config file (--config, YAML; flags given on the command line win):
   endpoints: [http://127.0.0.1:8001, http://127.0.0.1:8002]
   session_header: x-session-id
   load_bound_factor: 1.5
+  prefill_endpoints: [http://127.0.0.1:8003]   # a P/D split; 'endpoints' are then the decode pool
+
+prefill/decode split: with a prefill source (--prefill-endpoints, --prefill-endpoints-file or
+--k8s-prefill-selector) every request is first sent to a prefill endpoint with max_tokens 1, then
+to a decode endpoint with kv_transfer_params naming the prefill endpoint (a kvfleet engine pulls
+the prompt's KV from there). The decode pool is given by the --decode-* flags or the plain
+endpoint flags.
 """
 
 
@@ -61,6 +70,20 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--k8s-namespace", default="default", help="namespace for --k8s-selector")
     g.add_argument("--k8s-port", type=port_number, default=8000, help="engine port of discovered pods")
     g.add_argument("--k8s-kind", choices=("pods", "endpointslices"), default="pods", help="what to discover")
+    g = p.add_argument_group("prefill/decode split (P/D disaggregation)")
+    g.add_argument("--prefill-endpoints", action="append", default=[], metavar="URL[,URL...]",
+                   help="prefill engine base URLs (repeatable): turns on the P/D split")
+    g.add_argument("--prefill-endpoints-file", default=None, metavar="PATH",
+                   help="prefill engines in a file like --endpoints-file (re-read when it changes)")
+    g.add_argument("--k8s-prefill-selector", default=None, metavar="LABELS",
+                   help="discover the prefill pods by label (namespace, port, kind as for --k8s-selector)")
+    g.add_argument("--decode-endpoints", action="append", default=[], metavar="URL[,URL...]",
+                   help="decode engine base URLs (or give the decode pool with the plain endpoint flags)")
+    g.add_argument("--decode-endpoints-file", default=None, metavar="PATH", help="decode engines in a file")
+    g.add_argument("--k8s-decode-selector", default=None, metavar="LABELS", help="discover the decode pods by label")
+    g.add_argument("--pd-fallback", choices=("decode", "error"), default="decode",
+                   help="when no prefill endpoint can serve a request: send it whole to a decode endpoint "
+                        "(it computes the prompt itself), or answer the error")
     g = p.add_argument_group("routing")
     g.add_argument("--config", default=None, metavar="YAML", help="router config file (see below)")
     g.add_argument("--policy", choices=sorted(PROFILES), default=None,
@@ -117,7 +140,7 @@ def _load_config(path: str | None) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping at the top level")
     known = {"policy", "scorers", "endpoints", "session_header", "prefix_block_size", "prefix_index_capacity",
-             "load_bound_factor"}
+             "load_bound_factor", "prefill_endpoints"}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"--config {path}: unknown keys {sorted(unknown)} (known: {sorted(known)})")
@@ -148,24 +171,61 @@ def scorer_weights(args: argparse.Namespace, cfg: dict[str, Any]) -> tuple[str, 
     return policy, list(PROFILES[policy].items())
 
 
+def _source(args: argparse.Namespace, urls_flag: list[str], file: str | None, selector: str | None,
+            cfg_urls: Any, names: str) -> Discovery | None:
+    """One endpoint source from its three flags (or URLs from the config file); None when none
+    is given.
+
+    Raises:
+        ValueError: more than one of the flags, or a bad URL / file.
+    """
+    urls = [u for spec in urls_flag for u in spec.split(",") if u.strip()]
+    if sum(bool(x) for x in (urls, file, selector)) > 1:
+        raise ValueError(f"give one endpoint source: {names}")
+    if file:
+        return FileDiscovery(file)
+    if selector:
+        return KubernetesDiscovery(selector, args.k8s_namespace, args.k8s_port, args.k8s_kind)
+    urls = urls or [str(u) for u in cfg_urls or []]
+    return StaticDiscovery(urls) if urls else None
+
+
 def build_discovery(args: argparse.Namespace, cfg: dict[str, Any]) -> Discovery:
-    """The endpoint source from the flags (or the config's ``endpoints``).
+    """The endpoint source from the flags (or the config's ``endpoints``): the decode pool's
+    with a P/D split (``--decode-*`` flags, or the plain ones).
 
     Raises:
         ValueError: no source, more than one, or a bad URL / file.
     """
-    urls = [u for spec in args.endpoints for u in spec.split(",") if u.strip()]
-    sources = sum(bool(x) for x in (urls, args.endpoints_file, args.k8s_selector))
-    if sources > 1:
-        raise ValueError("give one endpoint source: --endpoints, --endpoints-file or --k8s-selector")
-    if args.endpoints_file:
-        return FileDiscovery(args.endpoints_file)
-    if args.k8s_selector:
-        return KubernetesDiscovery(args.k8s_selector, args.k8s_namespace, args.k8s_port, args.k8s_kind)
-    urls = urls or [str(u) for u in cfg.get("endpoints") or []]
-    if not urls:
+    decode = _source(args, getattr(args, "decode_endpoints", []), getattr(args, "decode_endpoints_file", None),
+                     getattr(args, "k8s_decode_selector", None), None,
+                     "--decode-endpoints, --decode-endpoints-file or --k8s-decode-selector")
+    plain = _source(args, args.endpoints, args.endpoints_file, args.k8s_selector,
+                    None if decode is not None else cfg.get("endpoints"),
+                    "--endpoints, --endpoints-file or --k8s-selector")
+    if decode is not None and plain is not None:
+        raise ValueError("give the decode pool once: --decode-* flags or the plain endpoint flags, not both")
+    has_prefill = any((getattr(args, "prefill_endpoints", []), getattr(args, "prefill_endpoints_file", None),
+                       getattr(args, "k8s_prefill_selector", None), cfg.get("prefill_endpoints")))
+    if decode is not None and not has_prefill:
+        raise ValueError("--decode-endpoints / --decode-endpoints-file / --k8s-decode-selector need a prefill pool "
+                         "(--prefill-endpoints, --prefill-endpoints-file or --k8s-prefill-selector)")
+    found = decode or plain
+    if found is None:
         raise ValueError("no endpoints: give --endpoints, --endpoints-file, --k8s-selector or 'endpoints' in --config")
-    return StaticDiscovery(urls)
+    return found
+
+
+def build_prefill_discovery(args: argparse.Namespace, cfg: dict[str, Any]) -> Discovery | None:
+    """The prefill pool's source (``--prefill-*`` flags or the config's ``prefill_endpoints``);
+    None without a P/D split.
+
+    Raises:
+        ValueError: more than one prefill source, or a bad URL / file.
+    """
+    return _source(args, getattr(args, "prefill_endpoints", []), getattr(args, "prefill_endpoints_file", None),
+                   getattr(args, "k8s_prefill_selector", None), cfg.get("prefill_endpoints"),
+                   "--prefill-endpoints, --prefill-endpoints-file or --k8s-prefill-selector")
 
 
 def build_router(args: argparse.Namespace):
@@ -192,16 +252,29 @@ def build_router(args: argparse.Namespace):
         factor = float(cfg.get("load_bound_factor", 1.5))
     if factor and factor <= 1:
         raise ValueError(f"--load-bound-factor must be 0 (off) or > 1, got {factor:g}")
-    filters = [LoadBoundFilter(factor)] if factor and policy != "round-robin" else []
-    picker = EndpointPicker([(build_scorer(name, **opts), w) for name, w in weights],
-                            rng=random.Random(args.seed), filters=filters)
+    rng = random.Random(args.seed)
+
+    def new_picker() -> EndpointPicker:
+        filters = [LoadBoundFilter(factor)] if factor and policy != "round-robin" else []
+        return EndpointPicker([(build_scorer(name, **opts), w) for name, w in weights], rng=rng, filters=filters)
+
+    picker = new_picker()
     discovery = build_discovery(args, cfg)
+    prefill_source = build_prefill_discovery(args, cfg)
     config = RouterConfig(policy=policy, max_retries=args.max_retries,
                           max_inflight_per_endpoint=args.max_inflight_per_endpoint,
                           max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout,
                           request_timeout_s=args.request_timeout, hold_when_empty_s=args.hold_when_empty)
+    prefill = None
+    pd = None
+    if prefill_source is not None:
+        from kvfleet.router.pd import PDConfig
+
+        prefill = (prefill_source, new_picker())  # the prefill pool's own prefix index and load view
+        pd = PDConfig(fallback=getattr(args, "pd_fallback", "decode"))
     app = create_router_app(discovery, picker, config, {"health_interval_s": args.health_interval,
-                                                        "scrape_interval_s": args.scrape_interval})
+                                                        "scrape_interval_s": args.scrape_interval},
+                            prefill=prefill, pd=pd)
     return app, policy, weights
 
 

@@ -20,7 +20,13 @@ class RouterMetrics:
       ``queue_full`` / ``queue_timeout`` 429);
     - ``kvfleet_router_time_to_first_token_seconds``: request arrival to the first response byte;
     - gauges ``kvfleet_router_endpoints``, ``kvfleet_router_healthy_endpoints``,
-      ``kvfleet_router_queued_requests`` and ``kvfleet_router_in_flight{endpoint}``.
+      ``kvfleet_router_queued_requests`` and ``kvfleet_router_in_flight{endpoint}`` (with a P/D
+      split, the endpoint gauges count both pools);
+    - P/D split (:mod:`kvfleet.router.pd`): ``kvfleet_router_pd_requests_total{outcome}``
+      (``disaggregated``: prefill then decode; ``fallback``: sent whole to a decode endpoint),
+      ``kvfleet_router_pd_fallbacks_total{reason}`` (``no_prefill_endpoint``, ``prefill_busy``,
+      ``prefill_failed``) and ``kvfleet_router_pd_prefill_seconds`` (the prefill step, from
+      choosing a prefill endpoint to its complete answer).
     """
 
     def __init__(self) -> None:
@@ -41,6 +47,14 @@ class RouterMetrics:
                             registry=r)
         self.in_flight = Gauge("kvfleet_router_in_flight", "Requests in flight per endpoint.", ["endpoint"],
                                registry=r)
+        self.pd_requests = Counter("kvfleet_router_pd_requests", "P/D split: requests by outcome.", ["outcome"],
+                                   registry=r)
+        self.pd_fallbacks = Counter("kvfleet_router_pd_fallbacks",
+                                    "P/D split: requests sent whole to a decode endpoint because the prefill step "
+                                    "could not be served, by reason.", ["reason"], registry=r)
+        self.pd_prefill_seconds = Histogram("kvfleet_router_pd_prefill_seconds",
+                                            "P/D split: seconds of the prefill step.", buckets=TTFT_BUCKETS,
+                                            registry=r)
 
     def render(self) -> tuple[bytes, str]:
         """``(body, content type)`` of the Prometheus exposition."""

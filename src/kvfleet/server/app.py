@@ -7,6 +7,11 @@ Endpoints (like vLLM's OpenAI server):
   logprobs in OpenAI's shapes, ``n`` choices.
 - ``GET /v1/models``; ``GET /health`` (200 while the engine loop is alive, else 503);
   ``GET /metrics`` (Prometheus text, vLLM metric names); ``POST /tokenize``, ``POST /detokenize``.
+- P/D disaggregation (:mod:`kvfleet.engine.kv_transfer`): ``POST /kvfleet/v1/kv/export`` sends the
+  KV of a prompt's cached prefix to a decode engine; a completion request whose
+  ``kv_transfer_params`` say ``do_remote_prefill`` with a ``remote_url`` pulls its prompt's KV
+  from that prefill engine before it is queued (falling back to computing it here); one that says
+  ``do_remote_decode`` gets ``kv_transfer_params`` back in its (non-streamed) response.
 
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid
 requests (including malformed JSON and pydantic type errors, which FastAPI would report as
@@ -22,7 +27,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -54,6 +61,7 @@ from kvfleet.server.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    KVExportRequest,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -290,7 +298,18 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
                                 block_size=engine.block_size, num_blocks=engine.num_blocks)
         engine.add_stat_logger(metrics.record)
 
-    app = FastAPI(title="kvfleet", version=kvfleet.__version__,
+    from kvfleet.engine import kv_transfer as kvt  # torch is loaded with the engine already
+
+    kv_client = kvt.KVTransferClient(engine.engine, on_result=metrics.record_kv_import)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            await kv_client.aclose()
+
+    app = FastAPI(title="kvfleet", version=kvfleet.__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server on kvfleet's paged-KV-cache engine")
     app.state.engine = engine
     app.state.metrics = metrics
@@ -351,10 +370,31 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault
             raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from e
 
-    async def admit(request_id: str, prompt: str | list[int], params: Any, cache_salt: str | None = None) -> Any:
+    async def admit(request_id: str, prompt: str | list[int], params: Any, cache_salt: str | None = None,
+                    kv_params: dict[str, Any] | None = None) -> Any:
         if not engine.healthy:
             raise EngineDeadError("the engine loop is not running")
-        return await engine.add_request_async(request_id, prompt, params, cache_salt=cache_salt)
+        try:
+            remote = kvt.remote_prefill_url(kv_params)
+        except kvt.KVTransferError as e:
+            raise InvalidRequestError(str(e), param="kv_transfer_params") from None
+        hook = kv_client.before_admit(remote, cache_salt) if remote is not None else None
+        return await engine.add_request_async(request_id, prompt, params, cache_salt=cache_salt, before_admit=hook)
+
+    def prefill_done(kv_params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` a prefill engine answers a ``do_remote_decode`` request
+        with (vLLM's shape; the router adds this engine's ``remote_url``)."""
+        if not isinstance(kv_params, dict) or kv_params.get("do_remote_decode") is not True:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine": "kvfleet",
+                "remote_block_size": engine.block_size}
+
+    def dump(resp: Any, kv_params: dict[str, Any] | None) -> dict[str, Any]:
+        out = resp.model_dump()
+        done = prefill_done(kv_params)
+        if done is not None:
+            out["kv_transfer_params"] = done
+        return out
 
     def usage(n_prompt: int, n_gen: int, n_cached: int) -> UsageInfo:
         return UsageInfo(prompt_tokens=n_prompt, completion_tokens=n_gen, total_tokens=n_prompt + n_gen,
@@ -394,7 +434,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         prompt_ids = await asyncio.to_thread(chat_prompt_ids, messages, body.add_generation_prompt is not False,
                                              body.chat_template_kwargs)
         request_id = random_id("chatcmpl")
-        stream = await admit(request_id, prompt_ids, params, body.cache_salt)
+        stream = await admit(request_id, prompt_ids, params, body.cache_salt, body.kv_transfer_params)
         k = params.logprobs or 0
         want_lp = params.logprobs is not None
         if body.stream:
@@ -410,7 +450,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             for i in range(params.n)
         ]
         resp = ChatCompletionResponse(id=request_id, model=model_name, choices=choices, usage=use)
-        return JSONResponse(resp.model_dump())
+        return JSONResponse(dump(resp, body.kv_transfer_params))
 
     async def sse_events(request_id: str, stream: Any, guard: _RequestGuard, include_usage: bool,
                          chunk: Callable[..., str], opening: list[Any], make_choice: Callable[[Any], Any],
@@ -465,7 +505,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         params = body.to_sampling_params()
         prompt = body.single_prompt()
         request_id = random_id("cmpl")
-        stream = await admit(request_id, prompt, params, body.cache_salt)
+        stream = await admit(request_id, prompt, params, body.cache_salt, body.kv_transfer_params)
         k = params.logprobs or 0
         want_lp = params.logprobs is not None
         echo = ""
@@ -485,7 +525,7 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
             for i in range(params.n)
         ]
         resp = CompletionResponse(id=request_id, model=model_name, choices=choices, usage=use)
-        return JSONResponse(resp.model_dump())
+        return JSONResponse(dump(resp, body.kv_transfer_params))
 
     def completion_stream(body: CompletionRequest, request_id: str, stream: Any, guard: _RequestGuard,
                           n: int, want_lp: bool, k: int, echo: str) -> AsyncIterator[str]:
@@ -530,6 +570,33 @@ def create_app(engine: AsyncLLM, api_key: str | None = None, served_model_names:
         except Exception:  # noqa: BLE001 - metrics must render even when the engine is dead
             logger.debug("get_stats failed", exc_info=True)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ P/D KV export
+
+    @app.post(kvt.EXPORT_PATH, response_model=None)
+    async def kv_export(body: KVExportRequest) -> Response:
+        bad = [t for t in body.token_ids if not 0 <= t < engine.engine.model_config.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token ids out of range: {bad[:5]}", param="token_ids")
+        if len(body.token_ids) > engine.max_model_len:
+            raise InvalidRequestError(f"{len(body.token_ids)} token ids, more than max_model_len "
+                                      f"{engine.max_model_len}", param="token_ids")
+        if body.cache_salt is not None and not body.cache_salt:
+            raise InvalidRequestError("cache_salt must be a non-empty string", param="cache_salt")
+        try:
+            if body.layout is not None:
+                why = kvt.KVLayout.from_json(body.layout).mismatch(kv_client.layout)
+                if why is not None:
+                    raise kvt.KVTransferError(f"KV layout mismatch: {why}")
+            t0 = time.perf_counter()
+            blocks = await engine.run_in_engine(
+                lambda eng: kvt.export_kv(eng, body.token_ids, body.cache_salt, body.start_block))
+        except kvt.KVTransferError as e:
+            raise InvalidRequestError(str(e), param="layout") from None
+        data = await asyncio.to_thread(kvt.encode_kv, blocks)
+        metrics.record_kv_export(blocks.num_blocks, blocks.nbytes, time.perf_counter() - t0)
+        return Response(data, media_type="application/octet-stream",
+                        headers={"X-KV-Blocks": str(blocks.num_blocks), "X-KV-Start-Block": str(blocks.start_block)})
 
     # ------------------------------------------------------------------ tokenize
 

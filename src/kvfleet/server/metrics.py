@@ -28,6 +28,8 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 #: finish reasons pre-created at 0 (like vLLM's ``FinishReason``).
 FINISH_REASONS = ("stop", "length", "abort")
+#: reasons of ``kvfleet:kv_transfer_fallbacks_total`` (see :class:`kvfleet.engine.kv_transfer.ImportResult`).
+KV_FALLBACK_REASONS = ("prefix_missing", "pool_full", "local_evicted", "fetch_failed", "incompatible")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -61,7 +63,13 @@ class ServerMetrics:
     ``vllm:request_success_total{finished_reason}``, ``vllm:prefix_cache_queries_total`` and
     ``vllm:prefix_cache_hits_total`` (tokens, as in vLLM v1), and kvfleet's own
     ``kvfleet:swap_out_total``, ``kvfleet:swap_in_total`` (requests) and
-    ``kvfleet:cow_block_copies_total`` (blocks); histograms (seconds)
+    ``kvfleet:cow_block_copies_total`` (blocks); for P/D KV transfer (:mod:`kvfleet.engine.kv_transfer`)
+    ``kvfleet:kv_exported_blocks_total`` / ``kvfleet:kv_exported_bytes_total`` (prefill side),
+    ``kvfleet:kv_imported_blocks_total`` / ``kvfleet:kv_imported_bytes_total`` (decode side),
+    ``kvfleet:kv_import_requests_total`` (requests that asked for a remote prefill),
+    ``kvfleet:kv_transfer_fallbacks_total{reason}`` (imports that left part of the prompt to
+    compute locally) and the histogram ``kvfleet:kv_transfer_seconds{direction}`` (export: in
+    the engine thread and serialization; import: fetch and import); histograms (seconds)
     ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``,
     ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``; token-count
     histograms ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``; info gauge
@@ -99,6 +107,25 @@ class ServerMetrics:
                                 labels, registry=r).labels(model_name)
         self.cow_copies = Counter("kvfleet:cow_block_copies", "KV blocks copied on write.",
                                   labels, registry=r).labels(model_name)
+        self.kv_exported_blocks = Counter("kvfleet:kv_exported_blocks", "KV blocks exported to decode engines (P/D).",
+                                          labels, registry=r).labels(model_name)
+        self.kv_exported_bytes = Counter("kvfleet:kv_exported_bytes", "KV bytes exported to decode engines (P/D).",
+                                         labels, registry=r).labels(model_name)
+        self.kv_imported_blocks = Counter("kvfleet:kv_imported_blocks",
+                                          "KV blocks imported from prefill engines (P/D).",
+                                          labels, registry=r).labels(model_name)
+        self.kv_imported_bytes = Counter("kvfleet:kv_imported_bytes", "KV bytes imported from prefill engines (P/D).",
+                                         labels, registry=r).labels(model_name)
+        self.kv_import_requests = Counter("kvfleet:kv_import_requests",
+                                          "Requests that asked for their prompt's KV from a prefill engine (P/D).",
+                                          labels, registry=r).labels(model_name)
+        self._kv_fallbacks = Counter("kvfleet:kv_transfer_fallbacks",
+                                     "KV imports that left part of the prompt to compute locally, by reason.",
+                                     labels + ["reason"], registry=r)
+        for reason in KV_FALLBACK_REASONS:
+            self._kv_fallbacks.labels(model_name, reason)
+        self._kv_seconds = Histogram("kvfleet:kv_transfer_seconds", "Seconds of KV export / import (P/D).",
+                                     labels + ["direction"], buckets=TTFT_BUCKETS, registry=r)
         self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                         labels + ["finished_reason"], registry=r)
         for reason in FINISH_REASONS:
@@ -153,6 +180,23 @@ class ServerMetrics:
             self.queue_time.observe(f.queue_time)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
+
+    def record_kv_export(self, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        """Count one P/D KV export (prefill side): blocks and bytes sent, seconds taken."""
+        self.kv_exported_blocks.inc(num_blocks)
+        self.kv_exported_bytes.inc(num_bytes)
+        self._kv_seconds.labels(self.model_name, "export").observe(seconds)
+
+    def record_kv_import(self, result: object) -> None:
+        """Count one P/D KV import (decode side) from a
+        :class:`~kvfleet.engine.kv_transfer.ImportResult` (thread-safe)."""
+        self.kv_import_requests.inc()
+        self.kv_imported_blocks.inc(getattr(result, "num_imported_blocks", 0))
+        self.kv_imported_bytes.inc(getattr(result, "num_bytes", 0))
+        self._kv_seconds.labels(self.model_name, "import").observe(getattr(result, "seconds", 0.0))
+        reason = getattr(result, "fallback", None)
+        if reason:
+            self._kv_fallbacks.labels(self.model_name, reason).inc()
 
     def set_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Set the scheduler-state gauges (requests, and the KV usage fraction in [0, 1])."""

@@ -116,6 +116,9 @@ class _SamplingFields(OpenAIBaseModel):
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
     early_stopping: bool | Literal["never"] | None = False
+    # vLLM's P/D field: {"do_remote_decode": true} on the prefill engine; {"do_remote_prefill":
+    # true, "remote_url": "http://prefill:port"} on the decode engine (kvfleet.engine.kv_transfer)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _build_params(self, max_tokens: int | None, logprobs: int | None,
                       param_renames: dict[str, str] | None = None) -> SamplingParams:
@@ -456,3 +459,21 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class KVExportRequest(OpenAIBaseModel):
+    """Body of ``POST /kvfleet/v1/kv/export`` (P/D disaggregation, :mod:`kvfleet.engine.kv_transfer`):
+    a decode engine asks a prefill engine for the KV of ``token_ids``' longest cached prefix.
+
+    Attributes:
+        token_ids: the prompt's token ids, as the decode engine tokenized it.
+        cache_salt: the request's prefix-cache namespace.
+        start_block: first block wanted (the decode engine has the ones before).
+        layout: the decode engine's KV layout (:meth:`KVLayout.to_json`); a mismatch is
+            refused with HTTP 400 before any KV is sent.
+    """
+
+    token_ids: list[int] = Field(min_length=1)
+    cache_salt: str | None = None
+    start_block: int = Field(default=0, ge=0)
+    layout: dict[str, Any] | None = None

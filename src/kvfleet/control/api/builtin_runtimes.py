@@ -45,8 +45,9 @@ _KVFLEET: dict[str, Any] = {
         {"name": "gguf", "architectures": KVFLEET_ARCHITECTURES, "priority": 3},
         {"name": "safetensors", "architectures": KVFLEET_ARCHITECTURES, "priority": 1},
     ],
-    # MultiNode: kvfleet's engine runs in one process. P/D: kvfleet's engine has no KV-transfer
-    # flags yet, so its prefill/decode pools are plain engines and the router does the split.
+    # MultiNode: kvfleet's engine runs in one process. P/D: prefill and decode pools run the same
+    # `kvfleet serve`; the router does the split and decode engines pull the prompt's KV from the
+    # prefill engine named in the request's kv_transfer_params (kvfleet.engine.kv_transfer).
     "supportedDeploymentModes": ["Standard", "PrefillDecodeDisaggregated", "Serverless"],
     "engineArgFlags": {
         "maxNumSeqs": _flag("--max-num-seqs"),

@@ -2,9 +2,10 @@
 Kubernetes API (its ServiceAccount may list and watch pods and EndpointSlices), the entry
 Service named after the InferenceService, and their PodDisruptionBudget.
 
-For prefill/decode disaggregation the router gets the decode pool as ``--k8s-selector`` and the
-prefill pool as ``--k8s-prefill-selector LABELS`` -- a flag ``kvfleet router`` does not have yet:
-it is the interface this renderer expects the router's P/D support to take.
+For prefill/decode disaggregation the router gets the prefill pool as ``--k8s-prefill-selector
+LABELS`` and the decode pool as ``--k8s-decode-selector LABELS``: it sends each request's prefill to
+a prefill pod, then the request to a decode pod with ``kv_transfer_params`` naming the prefill pod
+(:mod:`kvfleet.router.pd`).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from kvfleet.control.resolve import ResolvedService
 
 ROUTER_PORT = 8000
 DEFAULT_ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
-#: the router flag naming the prefill pool in P/D mode (not yet implemented by ``kvfleet router``).
+#: the router flags naming the prefill and decode pools in P/D mode.
 PREFILL_SELECTOR_FLAG = "--k8s-prefill-selector"
+DECODE_SELECTOR_FLAG = "--k8s-decode-selector"
 
 
 def router_args(rs: ResolvedService) -> list[str]:
@@ -27,8 +29,8 @@ def router_args(rs: ResolvedService) -> list[str]:
     args = ["--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--k8s-namespace", rs.namespace,
             "--k8s-port", str(rs.runtime.spec.port)]
     if rs.mode == "PrefillDecodeDisaggregated":
-        args += ["--k8s-selector", selector_string(serving_selector(rs, "decode")),
-                 PREFILL_SELECTOR_FLAG, selector_string(serving_selector(rs, "prefill"))]
+        args += [PREFILL_SELECTOR_FLAG, selector_string(serving_selector(rs, "prefill")),
+                 DECODE_SELECTOR_FLAG, selector_string(serving_selector(rs, "decode"))]
     else:
         args += ["--k8s-selector", selector_string(serving_selector(rs, "engine"))]
     r = rs.router

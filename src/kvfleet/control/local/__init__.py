@@ -10,7 +10,7 @@ replicas per pool, the router in front, a supervisor that restarts, autoscales a
 """
 
 from kvfleet.control.local.models import fetch_pypi, local_model_path
-from kvfleet.control.local.plan import PD_NOTE, FleetPlan, PoolPlan, local_argv, plan_fleet
+from kvfleet.control.local.plan import FleetPlan, PoolPlan, local_argv, plan_fleet
 from kvfleet.control.local.probe import EngineSample, RouterSample, parse_engine_sample, parse_router_sample
 from kvfleet.control.local.state import FleetError, fleet_dir, fleets_root, list_fleets, read_state
 from kvfleet.control.local.status import format_status, live_status
@@ -24,7 +24,7 @@ from kvfleet.control.local.supervisor import (
 )
 
 __all__ = [
-    "PD_NOTE", "EngineSample", "FleetError", "FleetPlan", "PoolPlan", "Replica", "RouterSample", "Supervisor",
+    "EngineSample", "FleetError", "FleetPlan", "PoolPlan", "Replica", "RouterSample", "Supervisor",
     "SupervisorOptions", "describe_exit", "fetch_pypi", "fleet_dir", "fleets_root", "format_status", "list_fleets",
     "live_status", "local_argv", "local_model_path", "parse_engine_sample", "parse_router_sample", "plan_fleet",
     "popen_spawner", "read_state", "restart_delay",

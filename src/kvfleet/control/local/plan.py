@@ -6,6 +6,12 @@ the router's command line.
 Local adjustments to the runtime's template: ``kvfleet ...`` runs as ``python -m kvfleet ...``
 with this interpreter (no need for the console script on ``PATH``), engines bind ``127.0.0.1``
 (the template's ``--host 0.0.0.0`` is for pods), and each replica gets a free port.
+
+PrefillDecodeDisaggregated runs as on Kubernetes: a prefill pool, a decode pool, and the router
+in P/D mode (``--prefill-endpoints-file`` for the prefill pool, ``--endpoints-file`` for the
+decode pool), which sends each request's prefill to a prefill replica and the request to a decode
+replica that pulls the prompt's KV from it (:mod:`kvfleet.router.pd`,
+:mod:`kvfleet.engine.kv_transfer`).
 """
 
 from __future__ import annotations
@@ -21,11 +27,6 @@ from kvfleet.control.autoscale import AutoscaleConfig
 from kvfleet.control.engine_args import Adapter, engine_command
 from kvfleet.control.local.models import local_model_path
 from kvfleet.control.resolve import ResolvedPool, ResolvedService
-
-#: what ``kvfleet up`` says about PrefillDecodeDisaggregated fleets.
-PD_NOTE = ("PrefillDecodeDisaggregated: the prefill and decode pools run as two groups of ordinary engines "
-           "behind the router; the router has no prefill/decode split yet, so each request is served whole "
-           "by one replica of either pool (no KV transfer)")
 
 
 def local_argv(argv: list[str]) -> list[str]:
@@ -102,11 +103,25 @@ class FleetPlan:
         """The InferenceService's name."""
         return self.rs.name
 
+    @property
+    def pd(self) -> bool:
+        """True for a PrefillDecodeDisaggregated fleet (the router splits prefill and decode)."""
+        return self.rs.mode == "PrefillDecodeDisaggregated"
+
     def router_argv(self, *, endpoints_file: Path, port: int, host: str = "127.0.0.1",
-                    hold_s: float = 120.0) -> list[str]:
-        """``kvfleet router`` reading ``endpoints_file``, holding requests up to ``hold_s`` seconds
-        while no replica is ready (scale from zero, restarts)."""
-        return [sys.executable, "-m", "kvfleet", "router", "--endpoints-file", str(endpoints_file),
+                    hold_s: float = 120.0, prefill_endpoints_file: Path | None = None) -> list[str]:
+        """``kvfleet router`` reading ``endpoints_file`` (the decode pool of a P/D fleet, whose
+        prefill pool is in ``prefill_endpoints_file``: the router then splits each request),
+        holding requests up to ``hold_s`` seconds while no replica is ready (scale from zero,
+        restarts).
+
+        Raises:
+            ValueError: a P/D fleet without ``prefill_endpoints_file``, or one given to another.
+        """
+        if self.pd != (prefill_endpoints_file is not None):
+            raise ValueError("prefill_endpoints_file is required for, and only for, a PrefillDecodeDisaggregated fleet")
+        pd = ["--prefill-endpoints-file", str(prefill_endpoints_file)] if prefill_endpoints_file is not None else []
+        return [sys.executable, "-m", "kvfleet", "router", "--endpoints-file", str(endpoints_file), *pd,
                 "--host", host, "--port", str(port), "--hold-when-empty", f"{hold_s:g}",
                 "--queue-timeout", f"{max(hold_s, 30.0):g}", *self.router_flags]
 
@@ -176,8 +191,6 @@ def plan_fleet(rs: ResolvedService, *, cache: Path | None = None, verify: bool =
             argv_template=tuple(argv), env={**env, **{e.name: e.value for e in pool.spec.env}},
             health_path=rt.spec.health_path, metrics_path=rt.spec.metrics_path,
             drain_timeout_s=float(pool.spec.termination_grace_period_seconds)))
-    if rs.mode == "PrefillDecodeDisaggregated":
-        notes.append(PD_NOTE)
     if not rs.router.enabled:
         notes.append("spec.router.enabled is false, but the local fleet always runs its router (one address "
                      "for the replicas, requests held during restarts and scale from zero)")

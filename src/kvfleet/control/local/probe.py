@@ -14,6 +14,10 @@ _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _KV = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
 _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+#: kvfleet's P/D KV transfer counters (kvfleet.server.metrics)
+_KV_EXPORTED = ("kvfleet:kv_exported_blocks",)
+_KV_IMPORTED = ("kvfleet:kv_imported_blocks",)
+_KV_FALLBACKS = ("kvfleet:kv_transfer_fallbacks",)
 
 
 def _families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -47,6 +51,9 @@ class EngineSample:
         prefix_queries, prefix_hits: prefix-cache queried and hit tokens since the engine
             started (counters), or ``None``.
         metric: the autoscaling metric's total (the family asked for), 0 if not exported.
+        kv_exported_blocks, kv_imported_blocks, kv_transfer_fallbacks: P/D KV transfer counters
+            of a kvfleet engine since it started (blocks sent to decode engines, blocks received
+            from prefill engines, imports that left part of a prompt to compute), or ``None``.
     """
 
     waiting: float = 0.0
@@ -55,6 +62,9 @@ class EngineSample:
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     metric: float = 0.0
+    kv_exported_blocks: float | None = None
+    kv_imported_blocks: float | None = None
+    kv_transfer_fallbacks: float | None = None
 
     @property
     def hit_rate(self) -> float | None:
@@ -83,7 +93,8 @@ def parse_engine_sample(text: str, metric: str = "vllm:num_requests_waiting") ->
     name = metric[:-len("_total")] if metric.endswith("_total") else metric
     return EngineSample(waiting=_sum(fams, _WAITING) or 0.0, running=_sum(fams, _RUNNING) or 0.0, kv_usage=kv,
                         prefix_queries=_sum(fams, _QUERIES), prefix_hits=_sum(fams, _HITS),
-                        metric=_sum(fams, (name,)) or 0.0)
+                        metric=_sum(fams, (name,)) or 0.0, kv_exported_blocks=_sum(fams, _KV_EXPORTED),
+                        kv_imported_blocks=_sum(fams, _KV_IMPORTED), kv_transfer_fallbacks=_sum(fams, _KV_FALLBACKS))
 
 
 @dataclass(frozen=True)

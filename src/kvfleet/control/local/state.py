@@ -5,7 +5,8 @@ invocations) find it: one folder per fleet, ``<cache>/fleet/<name>/`` by default
 - ``state.json``: written by the supervisor (atomically) whenever something changes and every
   few seconds: supervisor pid, router URL / pid, every replica's pool, state, pid, port, restarts
   and log, recent events; removed when the fleet stops;
-- ``endpoints.yaml``: the ready replicas' URLs, which the router watches;
+- ``endpoints.yaml``: the ready replicas' URLs, which the router watches (the decode pool of a
+  PrefillDecodeDisaggregated fleet, whose prefill pool is in ``prefill-endpoints.yaml``);
 - ``spec.yaml``: the documents the fleet was started from;
 - ``logs/``: the supervisor's, the router's and each replica's output (appended across restarts).
 
@@ -24,6 +25,7 @@ from typing import Any
 
 STATE_FILE = "state.json"
 ENDPOINTS_FILE = "endpoints.yaml"
+PREFILL_ENDPOINTS_FILE = "prefill-endpoints.yaml"
 SPEC_FILE = "spec.yaml"
 LOG_DIR = "logs"
 

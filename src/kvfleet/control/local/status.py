@@ -16,7 +16,8 @@ from kvfleet.control.local.state import pid_alive
 
 def _probe(url: str | None, timeout: float, health_path: str = "/health",
            metrics_path: str = "/metrics") -> dict[str, Any]:
-    out: dict[str, Any] = {"health": "-", "running": None, "waiting": None, "kv_usage": None, "hit_rate": None}
+    out: dict[str, Any] = {"health": "-", "running": None, "waiting": None, "kv_usage": None, "hit_rate": None,
+                           "kv_exported_blocks": None, "kv_imported_blocks": None, "kv_transfer_fallbacks": None}
     if not url:
         return out
     with httpx.Client(trust_env=False, timeout=timeout) as c:
@@ -31,15 +32,19 @@ def _probe(url: str | None, timeout: float, health_path: str = "/health",
         except (httpx.HTTPError, ValueError):
             s = None
     if s is not None:
-        out.update(running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, hit_rate=s.hit_rate)
+        out.update(running=s.running, waiting=s.waiting, kv_usage=s.kv_usage, hit_rate=s.hit_rate,
+                   kv_exported_blocks=s.kv_exported_blocks, kv_imported_blocks=s.kv_imported_blocks,
+                   kv_transfer_fallbacks=s.kv_transfer_fallbacks)
     return out
 
 
 def live_status(state: dict[str, Any], timeout: float = 2.0) -> dict[str, Any]:
     """``state`` (a fleet's ``state.json``) with live fields added: ``supervisor.alive``,
     ``router.health`` (``ok`` / ``no replica`` / ``down``) and, per replica, ``health``,
-    ``running``, ``waiting``, ``kv_usage`` (fraction) and ``hit_rate`` (fraction of queried prompt
-    tokens found in the prefix cache, since the replica started)."""
+    ``running``, ``waiting``, ``kv_usage`` (fraction), ``hit_rate`` (fraction of queried prompt
+    tokens found in the prefix cache, since the replica started) and the P/D KV transfer counters
+    ``kv_exported_blocks``, ``kv_imported_blocks``, ``kv_transfer_fallbacks`` (None when the
+    engine does not export them)."""
     out = dict(state)
     out["supervisor"] = {**state.get("supervisor", {}), "alive": pid_alive(state.get("supervisor", {}).get("pid"))}
     reps = [(r, p) for p in state.get("pools", []) for r in p.get("replicas", [])]
@@ -72,6 +77,18 @@ def _fmt(v: float | None, pct: bool = False) -> str:
     return f"{100 * v:.1f}%" if pct else f"{v:g}"
 
 
+def _kv_summary(replicas: list[dict[str, Any]]) -> str:
+    """``; KV transfer: N blocks exported, M imported, F fallbacks`` over a pool's replicas, or
+    ``""`` when none of them moved KV."""
+    def total(key: str) -> float:
+        return sum(r.get(key) or 0.0 for r in replicas)
+
+    exp, imp, fb = total("kv_exported_blocks"), total("kv_imported_blocks"), total("kv_transfer_fallbacks")
+    if not (exp or imp or fb):
+        return ""
+    return f"; KV transfer: {exp:g} blocks exported, {imp:g} imported, {fb:g} fallbacks"
+
+
 def format_status(st: dict[str, Any]) -> str:
     """The human-readable report of :func:`live_status`'s result: a header (router URL and
     health, supervisor), one line per pool and a table of replicas, then notes and recent events."""
@@ -80,13 +97,16 @@ def format_status(st: dict[str, Any]) -> str:
              f"  router: {st.get('router', {}).get('health', '-')} (pid {st.get('router', {}).get('pid')}); "
              f"supervisor pid {sup.get('pid')} {'running' if sup.get('alive') else 'NOT RUNNING'}; "
              f"state updated {max(0.0, time.time() - st.get('updated_at', time.time())):.0f} s ago"]
+    if st.get("prefill_endpoints_file"):
+        lines.append("  prefill/decode split: the router sends each prompt to the prefill pool, then the request "
+                     "to the decode pool, which pulls the prompt's KV from the prefill replica")
     header = ("POOL", "REPLICA", "STATE", "PID", "PORT", "HEALTH", "RUNNING", "WAITING", "KV USAGE", "HIT RATE",
               "RESTARTS")
     rows: list[tuple[str, ...]] = []
     for p in st.get("pools", []):
         lines.append(f"  pool {p['role']}: {len(p['replicas'])} replicas, desired {p.get('desired')} "
                      f"(min {p['min_replicas']}, max {p['max_replicas']}; scales on {p.get('metric')} "
-                     f"target {p.get('target'):g} per replica)")
+                     f"target {p.get('target'):g} per replica)" + _kv_summary(p["replicas"]))
         for r in p["replicas"]:
             rows.append((p["role"], r["name"], r["state"], str(r.get("pid") or "-"), str(r.get("port") or "-"),
                          r.get("health", "-"), _fmt(r.get("running")), _fmt(r.get("waiting")),

@@ -17,7 +17,8 @@ Every tick (0.5 s by default) it
    once the router has re-read the file (``drain_min_s``) and the engine reports no running or
    waiting request (or after the pool's ``terminationGracePeriodSeconds``); SIGKILL after
    ``stop_timeout_s`` more;
-5. writes the ready replicas' URLs to the endpoints file the router watches, and the fleet's
+5. writes the ready replicas' URLs to the endpoints file the router watches (a P/D fleet: the
+   decode replicas there, the prefill replicas to the prefill endpoints file), and the fleet's
    ``state.json`` for ``kvfleet status`` / ``kvfleet down``.
 
 Process creation and HTTP are injectable (``spawn``, ``http_get``, ``clock``), so the state
@@ -46,6 +47,7 @@ from kvfleet.control.local.probe import EngineSample, RouterSample, parse_engine
 from kvfleet.control.local.state import (
     ENDPOINTS_FILE,
     LOG_DIR,
+    PREFILL_ENDPOINTS_FILE,
     STATE_FILE,
     cmdline,
     free_port,
@@ -220,10 +222,11 @@ class Supervisor:
         self._prev_requests: dict[str, float] = {}
         self._prev_rejected = 0.0
         self._tick_no = 0
-        self._endpoints_text: str | None = None
+        self._endpoints_text: dict[Path, str] = {}
         self._last_state: tuple[str, float] | None = None
         self._was_ready = False
         self.endpoints_file = self.folder / ENDPOINTS_FILE
+        self.prefill_endpoints_file = self.folder / PREFILL_ENDPOINTS_FILE if plan.pd else None
         self._self_argv = cmdline(os.getpid())  # lets `kvfleet down` check the pid is still this process
 
     # ------------------------------------------------------------------ helpers
@@ -256,7 +259,8 @@ class Supervisor:
     def _spawn(self, r: Replica, now: float) -> None:
         if r.role == "router":
             argv = self.plan.router_argv(endpoints_file=self.endpoints_file, port=self.port, host=self.host,
-                                         hold_s=self.options.hold_s)
+                                         hold_s=self.options.hold_s,
+                                         prefill_endpoints_file=self.prefill_endpoints_file)
             env = dict(os.environ)
         else:
             pool = self.pools[r.role]
@@ -357,7 +361,7 @@ class Supervisor:
     async def start(self) -> None:
         """Write an empty endpoints file, start the router and each pool's ``minReplicas``."""
         (self.folder / LOG_DIR).mkdir(parents=True, exist_ok=True)
-        self._write_endpoints([])
+        self._write_endpoints([], [])
         now = self.clock()
         self.event(f"starting {self.plan.rs.mode} fleet {self.plan.name!r}: model {self.plan.model_path}, "
                    + ", ".join(f"{p.role} pool {p.min_replicas}..{p.max_replicas} replicas" for p in self.plan.pools))
@@ -388,7 +392,9 @@ class Supervisor:
         for r in [*self.replicas, self.router]:
             if r.state == "backoff" and r.restart_at is not None and now >= r.restart_at:
                 self._spawn(r, now)
-        self._write_endpoints([r.url for r in self.replicas if r.state == "ready"])
+        ready = [r for r in self.replicas if r.state == "ready"]
+        self._write_endpoints([r.url for r in ready if r.role != "prefill" or not self.plan.pd],
+                              [r.url for r in ready if r.role == "prefill" and self.plan.pd])
         if self.ready and not self._was_ready:
             self.event(f"ready: {self.url}/v1 (" + ", ".join(
                 f"{sum(r.state == 'ready' for r in self.pool_replicas(p.role))} {p.role}" for p in self.plan.pools)
@@ -513,11 +519,17 @@ class Supervisor:
                 self.event(f"{r.name} draining: out of the endpoints file, stops when idle")
 
     # ------------------------------------------------------------------ files
-    def _write_endpoints(self, urls: list[str]) -> None:
-        text = "".join(f"- {u}\n" for u in sorted(urls)) or "[]\n"
-        if text != self._endpoints_text:
-            write_text_atomic(self.endpoints_file, text)
-            self._endpoints_text = text
+    def _write_endpoints(self, urls: list[str], prefill_urls: list[str]) -> None:
+        """Write the router's endpoints file(s): ``urls`` (the decode pool of a P/D fleet) and,
+        for a P/D fleet, ``prefill_urls`` to the prefill endpoints file."""
+        files = [(self.endpoints_file, urls)]
+        if self.prefill_endpoints_file is not None:
+            files.append((self.prefill_endpoints_file, prefill_urls))
+        for path, group in files:
+            text = "".join(f"- {u}\n" for u in sorted(group)) or "[]\n"
+            if text != self._endpoints_text.get(path):
+                write_text_atomic(path, text)
+                self._endpoints_text[path] = text
 
     def snapshot(self) -> dict[str, Any]:
         """The fleet's state as ``state.json`` holds it."""
@@ -534,6 +546,7 @@ class Supervisor:
             "supervisor": {"pid": os.getpid(), "argv": self._self_argv},
             "router": {**rep(self.router), "url": self.url},
             "endpoints_file": str(self.endpoints_file), "notes": list(self.plan.notes),
+            **({"prefill_endpoints_file": str(self.prefill_endpoints_file)} if self.prefill_endpoints_file else {}),
             "pools": [{"role": p.role, "min_replicas": p.min_replicas, "max_replicas": p.max_replicas,
                        "desired": self.desired[p.role], "metric": p.autoscale.metric, "target": p.autoscale.target,
                        "health_path": p.health_path, "metrics_path": p.metrics_path,

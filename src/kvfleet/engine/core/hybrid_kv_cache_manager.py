@@ -281,6 +281,48 @@ class HybridKVCacheManager:
         request.swapped_out = False
         return pairs
 
+    # ------------------------------------------------------------------ KV import (P/D disaggregation)
+
+    def cached_prefix_blocks(self, request: Request) -> list[list[int]]:
+        """Each group's blocks of the longest prefix every group has cached (equal lengths; see
+        :meth:`get_computed_blocks`). No ref count changes."""
+        return self.get_computed_blocks(request)[0]
+
+    def begin_import(self, request: Request, num_tokens: int) -> list[int] | None:
+        """:meth:`KVCacheManager.begin_import` in every group, all or nothing.
+
+        Returns:
+            each group's count of leading blocks that were cached already (the caller writes
+            the rest of that group's table); None when the pool is short (nothing changed).
+
+        Raises:
+            ValueError: as :meth:`KVCacheManager.begin_import`.
+        """
+        done: list[int] = []
+        for g in self.groups:
+            try:
+                k = g.begin_import(request, num_tokens)
+            except ValueError:
+                for d in self.groups[: len(done)]:
+                    d.abort_import(request)
+                raise
+            if k is None:
+                for d in self.groups[: len(done)]:
+                    d.abort_import(request)
+                return None
+            done.append(k)
+        return done
+
+    def commit_import(self, request: Request, num_tokens: int) -> None:
+        """:meth:`KVCacheManager.commit_import` in every group."""
+        for g in self.groups:
+            g.commit_import(request, num_tokens)
+
+    def abort_import(self, request: Request) -> None:
+        """:meth:`KVCacheManager.abort_import` in every group (idempotent)."""
+        for g in self.groups:
+            g.abort_import(request)
+
     def free(self, request: Request) -> None:
         """Return the request's pages of every group (KV and host pools). Idempotent."""
         for g in self.groups:

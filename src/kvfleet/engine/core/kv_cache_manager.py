@@ -532,6 +532,89 @@ class KVCacheManager:
             self._register_full_blocks(request, table, request.num_computed_tokens)
         return pairs
 
+    # ------------------------------------------------------------------ KV import (P/D disaggregation)
+
+    def cached_prefix_blocks(self, request: Request) -> list[int]:
+        """The blocks of the request's longest cached prefix, whole blocks only (a radix match
+        ending inside a block is cut back to its last full block). At most ``num_tokens - 1``
+        tokens are matched, as in :meth:`get_computed_blocks`; no ref count changes.
+
+        Used by the prefill side of P/D disaggregation to find the KV it exports
+        (:mod:`kvfleet.engine.kv_transfer`).
+        """
+        blocks, num_tokens = self.get_computed_blocks(request)
+        return blocks[: num_tokens // self.block_size]
+
+    def begin_import(self, request: Request, num_tokens: int) -> int | None:
+        """Give a placeholder ``request`` (holding no blocks) a block table over its first
+        ``num_tokens`` tokens whose KV is about to be written from outside (a KV transfer from a
+        prefill engine, llm-d / vLLM P/D disaggregation): the locally cached prefix is shared
+        (ref count + 1), the remaining blocks are newly allocated and *not yet* registered in
+        the prefix cache. Write their KV, then call :meth:`commit_import` (or
+        :meth:`abort_import` on failure); :meth:`free` releases the placeholder afterwards (the
+        blocks stay cached).
+
+        Args:
+            request: the placeholder; its token ids (the whole prompt) and cache salt are read.
+            num_tokens: tokens to cover, a multiple of ``block_size``.
+
+        Returns:
+            ``k``, the number of leading blocks that were cached already (``table[:k]``); the
+            caller writes ``table[k:]`` (:meth:`get_block_table`). None when the pool is short
+            (nothing changed).
+
+        Raises:
+            ValueError: prefix caching is off (imported blocks could never be found), a
+                ``num_tokens`` that is negative, not a multiple of the block size or beyond the
+                request's tokens, or a request that already holds blocks.
+        """
+        bs = self.block_size
+        rid = request.request_id
+        if not self.enable_prefix_caching:
+            raise ValueError("KV import needs prefix caching (--enable-prefix-caching)")
+        if num_tokens < 0 or num_tokens % bs or num_tokens > request.num_tokens:
+            raise ValueError(f"num_tokens must be a multiple of the block size {bs} within the request's "
+                             f"{request.num_tokens} tokens, got {num_tokens}")
+        if self._tables.get(rid) or rid in self._host_tables:
+            raise ValueError(f"request {rid} already holds blocks; cannot import into it")
+        n = num_tokens // bs
+        hit = self.cached_prefix_blocks(request)[:n]
+        pool = self.pool
+        if hit:
+            pool.incref(hit)  # share them; also pins them against eviction by the allocation below
+        if not self._ensure_free(n - len(hit)):
+            if hit:
+                pool.free(hit)
+            return None
+        self._tables[rid] = hit + pool.allocate(n - len(hit))
+        self._num_registered[rid] = len(hit)
+        return len(hit)
+
+    def commit_import(self, request: Request, num_tokens: int) -> None:
+        """Register the first ``num_tokens`` tokens of an import (:meth:`begin_import`) in the
+        prefix cache, once the runner has written their KV: hash index entries (a hash another
+        block already holds keeps that block) or radix-tree insertion.
+
+        Raises:
+            ValueError: the request holds no import of that many tokens.
+        """
+        table = self._tables.get(request.request_id)
+        if not table or len(table) * self.block_size < num_tokens:
+            raise ValueError(f"request {request.request_id} holds no import of {num_tokens} tokens")
+        if self.radix is not None:
+            self._radix_insert(request, table, num_tokens)
+        else:
+            self._register_full_blocks(request, table, num_tokens)
+        request.num_computed_tokens = num_tokens
+
+    def abort_import(self, request: Request) -> None:
+        """Give back the blocks of an import that was not committed: the new blocks return to
+        the pool unregistered, the shared cached ones lose the placeholder's ref. Idempotent."""
+        if self.radix is None or request.num_computed_tokens == 0:
+            self._drop_table(request.request_id)
+        else:  # committed already: a normal free (the tree keeps the blocks)
+            self.free(request)
+
     # ------------------------------------------------------------------ release
 
     def _drop_table(self, rid: str) -> None:
