@@ -98,7 +98,9 @@ def test_server_side_apply(api):
     (req,) = server.requests
     assert req["method"] == "PATCH" and req["path"] == "/apis/apps/v1/namespaces/llm/deployments/chat-engine"
     assert req["content_type"] == "application/apply-patch+yaml"
-    assert req["query"] == {"fieldManager": ["kvfleet-operator"], "force": ["true"]}
+    # kubernetes-client 36 sends "True", 37 "true"; the API server reads either
+    assert req["query"]["fieldManager"] == ["kvfleet-operator"]
+    assert [v.lower() for v in req["query"]["force"]] == ["true"] and set(req["query"]) == {"fieldManager", "force"}
     assert req["body"] == DEPLOYMENT
 
 

@@ -29,6 +29,7 @@ UP_EXAMPLES = """examples:
   kvfleet up -f examples/standard-smollm2.yaml                 # foreground; Ctrl-C stops the fleet
   kvfleet up -f examples/standard-smollm2.yaml --detach --port 8080
   kvfleet up -f examples/serverless-smollm2.yaml               # scale to zero: the first request starts a replica
+  kvfleet up -f examples/pd-smollm2.yaml                       # prefill/decode pools, KV transfer between them
   kvfleet status
   kvfleet down smollm2-chat
 """
@@ -80,6 +81,9 @@ def add_up_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a replica not healthy this long after starting is killed and restarted")
     p.add_argument("--wait-timeout", type=positive_float, default=600.0, metavar="SECONDS",
                    help="with --detach: how long to wait for the fleet to be ready")
+    p.add_argument("--pvc-root", default=None, metavar="DIR",
+                   help="folder standing for PersistentVolumeClaims: pvc://CLAIM/PATH is DIR/CLAIM/PATH (default: "
+                        "$KVFLEET_PVC_ROOT, else ~/.cache/kvfleet/pvc)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the sha256 check of the model (default: check)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
@@ -180,6 +184,8 @@ def run_up(args: argparse.Namespace) -> int:
         catalog = Catalog.from_yaml(text, default_namespace=args.namespace)
         svc = _pick_service(catalog, args.service)
         rs = resolve(svc, catalog)
+        if getattr(args, "pvc_root", None):  # read by kvfleet.control.local.models (and a --detach child)
+            os.environ["KVFLEET_PVC_ROOT"] = str(Path(args.pvc_root).expanduser().resolve())
         plan = plan_fleet(rs, verify=args.verify, scale_down_window_s=args.scale_down_window)
         folder = fleet_dir(rs.name, args.state_dir).resolve()
         old = read_state(folder)
