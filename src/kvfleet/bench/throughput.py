@@ -107,7 +107,7 @@ def _run_kvfleet(cfg: ThroughputConfig, work: list[BenchRequest] | list[Conversa
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     dt = time.perf_counter() - t0
     precision = (f"{cfg.dtype} (weights dequantized from the GGUF)" if cfg.quantization == "none" else
-                 "int8 W8A8 dynamic (q/k/v, o, gate/up, LM head), float32 down_proj and activations")
+                 "int8 W8A8 (per-token dynamic int8 activations): every projection and the LM head")
     return _summary("kvfleet", precision, torch.get_num_threads(),
                     n_req, n_in, n_out, dt, {"max_num_seqs": cfg.max_num_seqs,
                                              "max_num_batched_tokens": cfg.max_num_batched_tokens,

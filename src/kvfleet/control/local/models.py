@@ -272,6 +272,9 @@ def _hf_download(src: ModelSource, folder: Path, is_file: bool, ref: str | None)
             huggingface_hub.snapshot_download(src.location, local_dir=folder, allow_patterns=patterns, **common)
 
     offline = _truthy(os.environ.get("HF_HUB_OFFLINE"))
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import (in a process that imported it while
+    # offline, every request would be refused): follow the variable as it is now.
+    huggingface_hub.constants.HF_HUB_OFFLINE = offline
     try:
         try:
             fetch(local_files_only=offline)

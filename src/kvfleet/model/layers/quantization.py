@@ -12,9 +12,10 @@ every projection (q/k/v, o, gate/up, down) and the LM head by :class:`Int8Dynami
   ``quantize_dynamic``) picks a single range for its whole input, so each row is first divided by
   its own ``max |x|``, one extra row ``[1, -1, 0, ...]`` pins the range to exactly [-1, 1], and the
   output rows are multiplied back. Besides accuracy, this makes the layer's result for a token
-  independent of the other tokens of the step (the int32 accumulation is exact); the rest of the
-  step (attention over a padded batch) is not bit-identical across batchings, though, and int8
-  rounding can amplify such last-bit differences into a different greedy token.
+  independent of the other tokens of the step (the int32 accumulation is exact; prefill logits
+  are bit-identical batched or alone). Decode attention over a padded batch is not bit-identical
+  to a lone sequence's, though, and int8 rounding turns such last-bit differences into different
+  quantized values now and then, so long greedy outputs do depend on the batch.
 
 The activation range is 7 bits (``reduce_range=True``): without AVX512-VNNI, fbgemm's int8 dot
 products add pairs of u8*s8 products in saturating int16, which 8-bit activations can overflow.
