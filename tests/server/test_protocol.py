@@ -63,6 +63,20 @@ def test_messages_normalization():
                                                                           {"type": "text", "text": "b"}]}])
     assert req.normalized_messages() == [{"role": "user", "content": "ab"}]
     for bad in ([], [{"content": "x"}], [{"role": "user", "content": [{"type": "image_url"}]}],
-                [{"role": "user", "content": 5}]):
+                [{"role": "user", "content": 5}], [{"role": "user"}], [{"role": "system", "content": None}]):
         with pytest.raises(InvalidRequestError):
             ChatCompletionRequest(messages=bad).normalized_messages()
+    # an assistant turn without content (tool calls) is allowed, as in OpenAI's API
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant"}]
+    assert ChatCompletionRequest(messages=msgs).normalized_messages() == msgs
+
+
+def test_kv_transfer_params_types():
+    from kvfleet.engine.kv_transfer import KVTransferError, remote_prefill_url
+
+    assert remote_prefill_url(None) is None and remote_prefill_url({"do_remote_decode": True}) is None
+    assert remote_prefill_url({"do_remote_prefill": True, "remote_url": "http://p:8000/"}) == "http://p:8000"
+    for bad in ({"do_remote_prefill": "yes", "remote_url": "http://p:8000"}, {"remote_url": 5},
+                {"do_remote_prefill": True, "remote_url": [1]}, {"do_remote_prefill": True, "remote_url": "not a url"}):
+        with pytest.raises(KVTransferError):
+            remote_prefill_url(bad)

@@ -517,11 +517,19 @@ def remote_prefill_url(params: Any) -> str | None:
     ``remote_url`` when ``do_remote_prefill`` is true, else None.
 
     Raises:
-        KVTransferError: ``do_remote_prefill`` without an http(s) ``remote_url``.
+        KVTransferError: ``do_remote_prefill`` not a boolean, ``remote_url`` not a string, or
+            ``do_remote_prefill`` without an http(s) ``remote_url``.
     """
-    if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+    if not isinstance(params, dict):
         return None
+    flag = params.get("do_remote_prefill")
+    if flag is not None and not isinstance(flag, bool):
+        raise KVTransferError(f"kv_transfer_params.do_remote_prefill must be a boolean, got {flag!r}")
     url = params.get("remote_url")
+    if url is not None and not isinstance(url, str):
+        raise KVTransferError(f"kv_transfer_params.remote_url must be a string, got {url!r}")
+    if flag is not True:
+        return None
     parts = urlsplit(url) if isinstance(url, str) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise KVTransferError("kv_transfer_params.remote_url must be the prefill engine's http(s) base URL "

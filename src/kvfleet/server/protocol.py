@@ -216,8 +216,8 @@ class ChatCompletionRequest(_SamplingFields):
         """Messages with list-of-parts ``content`` flattened to a string.
 
         Raises:
-            InvalidRequestError: no messages, a message without a string ``role``, or a
-                non-text content part.
+            InvalidRequestError: no messages, a message without a string ``role``, a non-assistant
+                message without ``content``, or a non-text content part.
         """
         if not self.messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
@@ -237,6 +237,10 @@ class ChatCompletionRequest(_SamplingFields):
                             "are supported", param="messages")
                     texts.append(part["text"])
                 m = {**m, "content": "".join(texts)}
+            elif content is None and m["role"] != "assistant":
+                # OpenAI allows a missing content only on assistant messages (tool calls)
+                raise InvalidRequestError(f"messages[{i}].content is required for role {m['role']!r}",
+                                          param="messages")
             elif content is not None and not isinstance(content, str):
                 raise InvalidRequestError(
                     f"messages[{i}].content must be a string or a list of text parts", param="messages")

@@ -215,12 +215,15 @@ def load_model(model: str | Path, dtype: torch.dtype = torch.float32, *,
                                             architecture=cfg.architecture)
             if chat_template is None:
                 chat_template = getattr(tokenizer, "chat_template", None)
-        quantizing.result()
+        n = quantizing.result()
+        if quantization != "none":
+            logger.info("quantization %s: %d layers (packed while the tokenizer loaded)", quantization, n)
         quantization = "none"
     if quantization != "none":
         from kvfleet.model.layers.quantization import quantize_model
 
-        quantize_model(net, quantization)
+        n = quantize_model(net, quantization)
+        logger.info("quantization %s: %d layers", quantization, n)
     net.eval()
     logger.info("loaded %s model %s (%s, %d layers) from %s sha256=%s in %.1fs", fmt, name, cfg.architecture,
                 cfg.num_hidden_layers, path, sha, time.monotonic() - t0)
