@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,3 +28,16 @@ def validator():
     if missing:
         pytest.skip(f"upstream CRDs missing from {SHARED_CRDS}: {missing}")
     return ManifestValidator([*(SHARED_CRDS / f for f in UPSTREAM), *generate().values()], k8s_version="1.37")
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 90.0, interval: float = 0.5) -> Any:
+    """Poll ``check()`` until it returns something truthy (returned), failing the test after
+    ``timeout`` seconds; for tests against a real API server, where objects appear asynchronously."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)

@@ -22,7 +22,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from kvfleet.control.operator import ClusterError, KubeCluster, load_catalog, pr
 from kvfleet.control.reconcile import plan_service
 from kvfleet.control.render import RenderOptions
 from tests.control.apiserver import LocalAPIServer, find_binaries
-from tests.control.conftest import SHARED_CRDS, UPSTREAM
+from tests.control.conftest import SHARED_CRDS, UPSTREAM, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,17 +55,6 @@ def apiserver(tmp_path_factory) -> LocalAPIServer:
     server.start()
     yield server
     server.stop()
-
-
-def _wait(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.5)
 
 
 def _established(crd: dict) -> bool:
@@ -121,7 +109,7 @@ def kube(apiserver: LocalAPIServer) -> KubeCluster:
     crds = ours + upstream
     for crd in crds:
         name = crd["metadata"]["name"]
-        _wait(f"CRD {name} to be established", lambda n=name: _established(cluster.get(CRD_API,
+        wait_for(f"CRD {name} to be established", lambda n=name: _established(cluster.get(CRD_API,
                                                                                          "CustomResourceDefinition",
                                                                                          n, None)))
     cluster.dyn.resources.invalidate_cache()
@@ -201,7 +189,7 @@ def test_kvfleet_operator_reconciles_rerenders_and_prunes(apiserver: LocalAPISer
             wanted += [("Deployment", "apps/v1", "smollm2-chat-engine"),
                        ("Deployment", "apps/v1", "smollm2-chat-router")]
         for kind, api, name in wanted:
-            live = _wait(f"the operator to apply {kind}/{name}", lambda a=api, k=kind, n=name: kube.get(a, k, n, ns),
+            live = wait_for(f"the operator to apply {kind}/{name}", lambda a=api, k=kind, n=name: kube.get(a, k, n, ns),
                          timeout=90)
             (owner,) = live["metadata"]["ownerReferences"]
             assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
@@ -210,7 +198,7 @@ def test_kvfleet_operator_reconciles_rerenders_and_prunes(apiserver: LocalAPISer
             managers = {m["manager"] for m in live["metadata"].get("managedFields") or []}
             assert "kvfleet-operator" in managers  # server-side apply under the operator's field manager
         # 2. the status: conditions with reasons, written through the status subresource
-        conds = _wait("the status conditions", lambda: (c := _conditions(kube, ns, "smollm2-chat"))
+        conds = wait_for("the status conditions", lambda: (c := _conditions(kube, ns, "smollm2-chat"))
                       and {"ModelReady", "RuntimeResolved", "EngineReady", "RouterReady", "Ready"} <= set(c) and c)
         assert conds["ModelReady"]["status"] == "True" and conds["RuntimeResolved"]["status"] == "True"
         assert conds["EngineReady"]["status"] == "False" and conds["Ready"]["status"] == "False"  # no pods here
@@ -225,16 +213,16 @@ def test_kvfleet_operator_reconciles_rerenders_and_prunes(apiserver: LocalAPISer
         # 3. a change of the BaseModel re-renders the services using it
         model = next(d for d in _example(ns) if d["kind"] == "BaseModel")
         kube.delete(API_VERSION, "BaseModel", model["metadata"]["name"], ns)
-        _wait("ModelReady=False after the BaseModel is deleted",
+        wait_for("ModelReady=False after the BaseModel is deleted",
               lambda: _conditions(kube, ns, "smollm2-chat")["ModelReady"]["status"] == "False", timeout=90)
         assert _conditions(kube, ns, "smollm2-chat")["ModelReady"]["reason"] == "ModelNotFound"
         new_sha = "ab" * 32  # a new pin: the engine pods' download step checks it
         model["spec"]["sha256"] = new_sha
         kube.apply(model)
-        _wait("ModelReady=True once the BaseModel is back",
+        wait_for("ModelReady=True once the BaseModel is back",
               lambda: _conditions(kube, ns, "smollm2-chat")["ModelReady"]["status"] == "True", timeout=90)
         if deployments_fit:
-            _wait("the engine Deployment to be re-rendered with the new sha256",
+            wait_for("the engine Deployment to be re-rendered with the new sha256",
                   lambda: new_sha in str(kube.get("apps/v1", "Deployment", "smollm2-chat-engine", ns)), timeout=90)
         # 4. pruning: without autoscaling the ScaledObject is no longer rendered
         svc = next(d for d in _example(ns) if d["kind"] == "InferenceService")
@@ -242,7 +230,7 @@ def test_kvfleet_operator_reconciles_rerenders_and_prunes(apiserver: LocalAPISer
         svc["spec"].pop("autoscaling", None)
         kube.apply(svc)
         if deployments_fit and pdb_served:  # the operator prunes after a clean apply
-            _wait("the operator to prune the ScaledObject",
+            wait_for("the operator to prune the ScaledObject",
                   lambda: kube.get("keda.sh/v1alpha1", "ScaledObject", "smollm2-chat-engine", ns) is None, timeout=90)
         else:  # it prunes nothing after a refused apply: prune the plan directly against the server
             live = kube.get(API_VERSION, "InferenceService", "smollm2-chat", ns)
@@ -267,7 +255,7 @@ def test_kvfleet_operator_reconciles_rerenders_and_prunes(apiserver: LocalAPISer
         assert kube.get("v1", "Service", "not-ours", ns) is not None
         # 5. deleting the service: no garbage collector here; its objects name it as their controller
         kube.delete(API_VERSION, "InferenceService", "smollm2-chat", ns)
-        _wait("the InferenceService to be gone", lambda: kube.get(API_VERSION, "InferenceService", "smollm2-chat",
+        wait_for("the InferenceService to be gone", lambda: kube.get(API_VERSION, "InferenceService", "smollm2-chat",
                                                                   ns) is None)
         left = kube.get("v1", "Service", "smollm2-chat", ns)
         assert left["metadata"]["ownerReferences"][0]["uid"] == uid

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import uuid
 from pathlib import Path
 from urllib.parse import urlparse
@@ -20,6 +19,7 @@ from kvfleet.control.api.common import API_VERSION
 from kvfleet.control.api.crds import generate
 from kvfleet.control.operator import ClusterError, KubeCluster, OperatorConfig, reconcile_service
 from kvfleet.control.render import RenderOptions
+from tests.control.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "standard-smollm2.yaml"
@@ -57,17 +57,6 @@ def cluster() -> KubeCluster:
         _skip(str(e))
 
 
-def _wait(what: str, check, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(1)
-
-
 @pytest.fixture(scope="module")
 def namespace(cluster: KubeCluster):
     for crd in generate().values():
@@ -77,7 +66,7 @@ def namespace(cluster: KubeCluster):
         cluster.dyn.resources.invalidate_cache()
         return cluster.serves(API_VERSION, "InferenceService") and cluster.serves(API_VERSION, "BaseModel")
 
-    _wait("the kvfleet CRDs to be served", served)
+    wait_for("the kvfleet CRDs to be served", served)
     ns = f"kvfleet-e2e-{uuid.uuid4().hex[:8]}"
     cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     yield ns
@@ -132,9 +121,9 @@ def test_kopf_operator_reconciles_a_new_service(cluster: KubeCluster, namespace:
     with KopfRunner(["run", "--standalone", "--namespace", namespace], registry=registry, timeout=120):
         for d in _example(namespace, "smollm2-kopf"):
             cluster.apply(d)
-        deployment = _wait("the operator to create smollm2-kopf-engine",
+        deployment = wait_for("the operator to create smollm2-kopf-engine",
                            lambda: cluster.get("apps/v1", "Deployment", "smollm2-kopf-engine", namespace))
         assert deployment["metadata"]["ownerReferences"][0]["name"] == "smollm2-kopf"
-        status = _wait("the operator to write the status",
+        status = wait_for("the operator to write the status",
                        lambda: cluster.get(API_VERSION, "InferenceService", "smollm2-kopf", namespace).get("status"))
         assert {c["type"] for c in status["conditions"]} >= {"ModelReady", "Ready"}

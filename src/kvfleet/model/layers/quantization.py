@@ -41,15 +41,15 @@ from kvfleet.model.layers.linear import Linear
 QUANTIZATION_METHODS = ("none", "int8")
 
 
-def _pack(weight: torch.Tensor) -> tuple[object, torch.Tensor]:
-    """fbgemm-packed int8 per-channel weight ``[out, in]`` and its float32 scales ``[out]``."""
+def _pack(weight: torch.Tensor) -> object:
+    """fbgemm-packed int8 per-channel weight ``[out, in]`` (scales inside the packed object)."""
     w = weight.detach().float()
     scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     zero_points = torch.zeros(w.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # quantized tensor types are deprecated upstream, the kernels are not
         warnings.simplefilter("ignore", UserWarning)
         qweight = torch.quantize_per_channel(w, scales.double(), zero_points, 0, torch.qint8)
-    return torch.ops.quantized.linear_prepack(qweight, None), scales
+    return torch.ops.quantized.linear_prepack(qweight, None)
 
 
 class Int8DynamicLinear(nn.Module):
@@ -75,8 +75,7 @@ class Int8DynamicLinear(nn.Module):
         if bias is not None and tuple(bias.shape) != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
         self.out_features, self.in_features = (int(d) for d in weight.shape)
-        self._packed, scales = _pack(weight)
-        self.register_buffer("weight_scale", scales, persistent=False)
+        self._packed = _pack(weight)
         self.bias = None if bias is None else bias.detach().float().clone()
         self._range_row = torch.zeros(1, self.in_features)
         self._range_row[0, 0] = 1.0
